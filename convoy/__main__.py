@@ -1,0 +1,5 @@
+import sys
+
+from convoy.cli.main import main
+
+sys.exit(main())

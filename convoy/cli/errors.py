@@ -1,0 +1,43 @@
+"""How a worker reports its failure: to stderr, and to the launcher's error file."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+from convoy.errors import UsageError
+
+ERROR_FILE_ENV = "CONVOY_ERROR_FILE"
+
+
+def exit_code(exc: BaseException) -> int:
+    if isinstance(exc, UsageError):
+        return 2
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    return 1
+
+
+def report_failure(exc: BaseException, rank: int) -> int:
+    """Describe ``exc`` once, where the launcher (or a torchrun user) will look; return the exit code."""
+    code = exit_code(exc)
+    summary = str(exc) if code == 2 else f"{type(exc).__name__}: {exc}"
+    details = "" if code == 2 else "".join(traceback.format_exception(exc))
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        with open(path, "w") as f:
+            json.dump({"rank": rank, "code": code, "summary": summary, "traceback": details}, f)
+    elif details:
+        sys.stderr.write(details)
+    print(f"convoy: error: rank {rank}: {summary}" if code != 2 else f"convoy: error: {summary}",
+          file=sys.stderr, flush=True)
+    return code
+
+
+def read_failure(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,95 @@
+"""The local launcher behind ``convoy train --nproc N``: N worker processes on loopback.
+
+Like torchrun on one machine, without the elastic agent: it picks a free port,
+starts the workers with the rendezvous variables set, and, as soon as one of
+them fails, stops the others and prints the failing rank's error.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from convoy.cli.errors import ERROR_FILE_ENV, read_failure
+
+_POLL_S = 0.05
+_GRACE_S = 5.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(config_json: str, nproc: int) -> int:
+    """Run ``nproc`` workers of the job ``config_json`` describes; return the job's exit code."""
+    with tempfile.TemporaryDirectory(prefix="convoy-launch-") as tmp:
+        config_path = Path(tmp, "config.json")
+        config_path.write_text(config_json)
+        port = free_port()
+        procs = []
+        for rank in range(nproc):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+                   "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   ERROR_FILE_ENV: str(Path(tmp, f"rank{rank}.json"))}
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            procs.append(subprocess.Popen([sys.executable, "-m", "convoy", "_worker", str(config_path)], env=env))
+        try:
+            return _supervise(procs, Path(tmp))
+        except KeyboardInterrupt:
+            _stop(procs)
+            return 130
+
+
+def _supervise(procs: list[subprocess.Popen], error_dir: Path) -> int:
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            _stop(procs)
+            rank = _first_failure(failed, error_dir)
+            return _explain(rank, procs[rank].returncode, error_dir)
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(_POLL_S)
+
+
+def _first_failure(failed: list[int], error_dir: Path) -> int:
+    """The rank that failed first: the oldest error file, else the lowest rank.
+
+    Peers of a failed worker fail too (their connections close), moments later.
+    """
+    reported = [(Path(error_dir, f"rank{r}.json").stat().st_mtime, r) for r in failed
+                if Path(error_dir, f"rank{r}.json").exists()]
+    return min(reported)[1] if reported else failed[0]
+
+
+def _explain(rank: int, code: int, error_dir: Path) -> int:
+    failure = read_failure(str(error_dir / f"rank{rank}.json"))
+    if failure is None:
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        print(f"convoy: error: rank {rank} {how}", file=sys.stderr, flush=True)
+        return 1
+    if failure["code"] != 2 and failure.get("traceback"):
+        print(f"convoy: rank {rank} failed; its traceback:\n{failure['traceback']}", file=sys.stderr, end="")
+    print(f"convoy: error: rank {rank}: {failure['summary']}" if failure["code"] != 2
+          else f"convoy: error: {failure['summary']}", file=sys.stderr, flush=True)
+    return failure["code"]
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + _GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -1,0 +1,33 @@
+"""The ``convoy`` command."""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from convoy.cli import plot, train
+from convoy.cli.args import Parser
+from convoy.errors import UsageError
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="convoy", description="Communication-efficient, failure-tolerant "
+                    "distributed training of convolutional networks on torch.distributed.")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    train.add_parser(commands)
+    plot.add_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not hasattr(args, "func"):
+            parser.print_help(sys.stderr)
+            return 2
+        return args.func(args)
+    except UsageError as exc:
+        print(f"convoy: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

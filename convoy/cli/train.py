@@ -1,0 +1,86 @@
+"""``convoy train``: the options, the local launcher, and the worker's entry."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from convoy.cli.errors import report_failure
+from convoy.cli.launch import launch
+from convoy.runtime import launched_by_torchrun
+from convoy.train.config import TrainConfig, build_config, config_fields, load_toml
+
+DESCRIPTION = """\
+Train a CNN with layer-wise pipelined synchronisation.
+
+Locally, `convoy train --nproc N` starts N worker processes on this machine.
+Under torchrun (`torchrun --nnodes ... --nproc-per-node ... -m convoy train ...`)
+each process is one worker and --nproc is ignored. Settings come from the
+defaults, then a TOML file (--config, keys as below with _ for -), then flags.
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("train", help="train a model (locally or under torchrun)",
+                                   description=DESCRIPTION,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below")
+    for field in config_fields():
+        _add_option(parser, field)
+    parser.set_defaults(func=run)
+    worker = subparsers.add_parser("_worker")
+    worker.add_argument("config_json")
+    worker.set_defaults(func=run_worker_from_file)
+
+
+def _add_option(parser: argparse.ArgumentParser, field: dataclasses.Field) -> None:
+    flag = "--" + field.name.replace("_", "-")
+    default = "" if field.default is None else f" (default: {field.default})"
+    kind = str(field.type)
+    if kind.startswith("bool"):
+        parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
+                            default=argparse.SUPPRESS, help=field.metadata["help"] + default)
+        return
+    convert = {"int": int, "float": float}.get(kind.split(" ")[0], str)
+    parser.add_argument(flag, dest=field.name, type=convert, default=argparse.SUPPRESS,
+                        metavar=field.name.upper(), help=field.metadata["help"] + default)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    flags = {f.name: getattr(args, f.name) for f in config_fields() if hasattr(args, f.name)}
+    return build_config(load_toml(args.config) if args.config else {}, flags)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    if launched_by_torchrun():
+        return run_worker(config)
+    if config.out is None:
+        config.out = time.strftime("runs/%Y%m%d-%H%M%S")
+    return launch(json.dumps(dataclasses.asdict(config)), config.nproc)
+
+
+def run_worker_from_file(args: argparse.Namespace) -> int:
+    with open(args.config_json) as f:
+        return run_worker(TrainConfig(**json.load(f)).validate())
+
+
+def run_worker(config: TrainConfig) -> int:
+    """Train as one rank; never leave the job hanging on failure."""
+    from convoy.train.loop import run as train
+
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        summary = train(config)
+    except BaseException as exc:
+        code = report_failure(exc, rank)
+        sys.stdout.flush()
+        # The auxiliary thread may sit in a collective with a dead peer; a
+        # normal interpreter exit would wait for it.
+        os._exit(code)
+    if rank == 0:
+        print(summary.line(), flush=True)
+    return 0

@@ -1,0 +1,18 @@
+"""No compression: the gradient itself is the payload."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from convoy.compress.base import Compressor, Payload
+
+
+class IdentityCompressor(Compressor):
+    summable = True
+
+    def compress(self, tensor: torch.Tensor, name: str) -> tuple[Payload, Any]:
+        return [tensor], None
+
+    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        return payload[0]

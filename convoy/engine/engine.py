@@ -1,0 +1,257 @@
+"""The layer-wise pipelined engine (seed 000, claims 6-8 and 10-12).
+
+The main thread runs forward and backward. A post-accumulate-grad hook on each
+parameter raises its layer's flag once the whole layer's gradient is there. An
+auxiliary thread takes layers in one fixed order, the same on every rank
+(reverse forward order), starts each layer's exchange as soon as its flag is
+up, and applies that layer's optimizer update as soon as its exchange ends.
+There is no barrier at the end of backward: the next forward's pre-hook on a
+layer waits only for that layer's update, so early layers compute while late
+layers are still on the wire.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from convoy.engine.layers import ForwardOrderRecorder, Layer
+from convoy.engine.listeners import Listener
+from convoy.engine.stats import StepStats
+from convoy.sync.base import SyncStrategy
+
+# How often blocked threads look up from a wait to notice a failed peer thread.
+_POLL_S = 0.5
+
+
+class EngineError(RuntimeError):
+    """The auxiliary thread failed; the message carries its error."""
+
+
+class Engine:
+    """Data-parallel training with per-layer, pipelined synchronisation and updates.
+
+    Args:
+        model: the module to train. Every rank must build it identically.
+        optimizer_class: any ``torch.optim.Optimizer`` subclass; one instance per
+            layer is created with ``optimizer_kwargs``, so updates happen layer by layer.
+        sync: how gradients are exchanged; see :mod:`convoy.sync`.
+        listeners: told when each layer's update and each step is final.
+        lr_lambda: ``step -> factor``; each step's learning rate is the base ``lr``
+            times this factor (the rule of ``torch.optim.lr_scheduler.LambdaLR``).
+        **optimizer_kwargs: hyper-parameters for ``optimizer_class``.
+
+    Call ``backward(loss)`` instead of ``loss.backward(); optimizer.step()``;
+    call ``synchronize()`` before reading parameters (evaluation, saving).
+
+    Example::
+
+        >>> engine = Engine(model, torch.optim.SGD, sync=AllReduce(group), lr=0.05)
+        >>> for x, y in batches:
+        ...     engine.backward(F.cross_entropy(model(x), y))
+        >>> engine.synchronize()
+    """
+
+    def __init__(self, model: nn.Module, optimizer_class: type[torch.optim.Optimizer],
+                 sync: SyncStrategy, listeners: Sequence[Listener] = (),
+                 lr_lambda: Callable[[int], float] | None = None, **optimizer_kwargs: Any):
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise ValueError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+        self.model = model
+        self.sync = sync
+        self.listeners = list(listeners)
+        self._optimizer_class = optimizer_class
+        self._optimizer_kwargs = optimizer_kwargs
+        self._lr_lambda = lr_lambda
+        self.layers: list[Layer] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._recorder: ForwardOrderRecorder | None = ForwardOrderRecorder(model)
+
+        self._cond = threading.Condition()
+        self._ready_count: list[int] = []     # params of each layer whose grad arrived this step
+        self._updates_done: list[int] = []    # steps applied to each layer so far
+        self._backward_done = -1              # last step whose backward returned
+        self._steps_done = -1                 # last step the aux thread finished
+        self._error: BaseException | None = None
+        self._stats: dict[int, StepStats] = {}
+        self.step = 0                         # the step the next backward belongs to
+
+        self._last_backward_end = time.perf_counter()
+        self._wait_s = 0.0
+        self._steps: queue.Queue[int | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._hook_handles: list[Any] = []
+
+    # ----------------------------------------------------------------- set-up
+    def _build_layers(self) -> None:
+        """Freeze the forward order seen in the first forward and attach the hooks."""
+        assert self._recorder is not None
+        self.layers = self._recorder.finish()
+        self._recorder = None
+        if not self.layers:
+            raise ValueError("the model has no trainable parameters")
+        self.optimizers = [self._optimizer_class(layer.params, **self._optimizer_kwargs)
+                           for layer in self.layers]
+        self._base_lrs = [[g["lr"] for g in opt.param_groups] for opt in self.optimizers]
+        self._ready_count = [0] * len(self.layers)
+        self._updates_done = [self.step] * len(self.layers)
+        self._backward_done = self._steps_done = self.step - 1
+        for layer in self.layers:
+            for p in layer.params:
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._flag_hook(layer)))
+            self._hook_handles.append(layer.module.register_forward_pre_hook(self._wait_hook(layer)))
+        self._thread = threading.Thread(target=self._aux_main, name="convoy-aux", daemon=True)
+        self._thread.start()
+
+    def _flag_hook(self, layer: Layer) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            with self._cond:
+                self._ready_count[layer.index] += 1
+                if self._ready_count[layer.index] == len(layer.params):
+                    self._cond.notify_all()
+        return hook
+
+    def _wait_hook(self, layer: Layer) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self._updates_done[layer.index] < self.step:
+                self._wait_for(lambda: self._updates_done[layer.index] >= self.step)
+        return hook
+
+    # ------------------------------------------------------------ main thread
+    def backward(self, loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:
+        """Back-propagate ``loss`` and hand this step's layers to the auxiliary thread.
+
+        Returns as soon as backward ends; synchronisation and updates go on in
+        the background. ``grad`` is passed to ``torch.autograd.backward`` for a
+        non-scalar ``loss`` (e.g. activations whose gradient came from a peer).
+        """
+        if self._recorder is not None:
+            self._build_layers()
+        self._raise_if_failed()
+        step = self.step
+        self._steps.put(step)
+        torch.autograd.backward(loss, grad)
+        now = time.perf_counter()
+        with self._cond:
+            self._backward_done = step
+            stats = self._stats.setdefault(step, StepStats(step))
+            stats.wall_s, stats.wait_s = now - self._last_backward_end, self._wait_s
+            self._cond.notify_all()
+        self._last_backward_end = now
+        self._wait_s = 0.0
+        self.step += 1
+
+    def synchronize(self) -> None:
+        """Block until every step handed to ``backward`` is applied on every layer."""
+        if self.layers:
+            self._wait_for(lambda: self._steps_done >= self.step - 1)
+
+    def stats(self, step: int) -> StepStats:
+        """Accounting of ``step`` (blocks until the auxiliary thread has finished it)."""
+        self._wait_for(lambda: self._steps_done >= step)
+        with self._cond:
+            return self._stats.pop(step)
+
+    def close(self) -> None:
+        """Finish outstanding steps and stop the auxiliary thread."""
+        if self._thread is not None and self._thread.is_alive():
+            self.synchronize()
+            self._steps.put(None)
+            self._thread.join()
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+
+    def set_step(self, step: int) -> None:
+        """Start counting at ``step`` (used when resuming from a checkpoint)."""
+        if self._thread is not None:
+            raise RuntimeError("set_step must be called before the first backward")
+        self.step = step
+
+    def _wait_for(self, predicate: Callable[[], bool]) -> None:
+        start = time.perf_counter()
+        with self._cond:
+            while not predicate():
+                self._raise_if_failed()
+                self._cond.wait(_POLL_S)
+        self._raise_if_failed()
+        if threading.current_thread() is not self._thread:
+            self._wait_s += time.perf_counter() - start
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise EngineError(f"gradient synchronisation failed: {self._error}") from self._error
+
+    # ------------------------------------------------------- auxiliary thread
+    def _aux_main(self) -> None:
+        try:
+            while (step := self._steps.get()) is not None:
+                self._run_step(step)
+        except BaseException as exc:  # the main thread re-raises it
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def _run_step(self, step: int) -> None:
+        self._apply_lr(step)
+        sent0, received0 = self.sync.traffic()
+        in_flight: deque = deque()
+        for layer in reversed(self.layers):
+            self._wait_ready(layer, step)
+            in_flight.append((layer, self.sync.start(layer, layer.flat_grad())))
+            while in_flight and in_flight[0][1].is_done():
+                self._finish_layer(*in_flight.popleft(), step)
+        while in_flight:
+            self._finish_layer(*in_flight.popleft(), step)
+        sent1, received1 = self.sync.traffic()
+        with self._cond:
+            stats = self._stats.setdefault(step, StepStats(step))
+            stats.bytes_sent, stats.bytes_received = sent1 - sent0, received1 - received0
+        for listener in self.listeners:
+            listener.on_step_end(step, stats)
+        with self._cond:
+            self._steps_done = step
+            self._cond.notify_all()
+
+    def _wait_ready(self, layer: Layer, step: int) -> None:
+        # A layer whose parameters backward never reached (unused this step)
+        # counts as ready once backward returns: its gradient is zero.
+        with self._cond:
+            while (self._ready_count[layer.index] < len(layer.params)
+                   and self._backward_done < step):
+                self._cond.wait(_POLL_S)
+            self._ready_count[layer.index] = 0
+
+    def _finish_layer(self, layer: Layer, pending: Any, step: int) -> None:
+        layer.set_grad_from_flat(pending.wait())
+        self.optimizers[layer.index].step()
+        for p in layer.params:
+            p.grad = None
+        with self._cond:
+            self._updates_done[layer.index] += 1
+            self._cond.notify_all()
+        for listener in self.listeners:
+            listener.on_layer_updated(layer, step)
+
+    def _apply_lr(self, step: int) -> None:
+        if self._lr_lambda is None:
+            return
+        factor = self._lr_lambda(step)
+        for opt, base in zip(self.optimizers, self._base_lrs):
+            for group, lr in zip(opt.param_groups, base):
+                group["lr"] = lr * factor
+
+    # ------------------------------------------------------------ inspection
+    def parameters(self) -> Iterable[nn.Parameter]:
+        return (p for layer in self.layers for p in layer.params)
+
+    def optimizer_state(self) -> list[dict]:
+        """Each layer optimizer's ``state_dict``, in forward order."""
+        return [opt.state_dict() for opt in self.optimizers]

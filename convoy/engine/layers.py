@@ -1,0 +1,81 @@
+"""Layers: the parameter-owning modules of a model, in the order forward uses them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass(eq=False)
+class Layer:
+    """One parameter-owning module and its trainable parameters.
+
+    ``index`` is the module's position in forward order; every rank computes
+    the same order, so it doubles as the layer's identity in collectives.
+    """
+
+    index: int
+    name: str
+    module: nn.Module
+    params: list[nn.Parameter] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def flat_grad(self) -> torch.Tensor:
+        """The layer's gradients concatenated; zeros for a parameter backward did not reach."""
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self.params])
+
+    def set_grad_from_flat(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+
+def parameter_modules(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
+    """Modules that directly own trainable parameters, in registration order."""
+    found = []
+    for name, module in model.named_modules():
+        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if params:
+            found.append((name, module, params))
+    return found
+
+
+class ForwardOrderRecorder:
+    """Records the order in which parameter-owning modules run in one forward pass.
+
+    Registration order is not forward order (a ResNet's shortcut is registered
+    after the block's convolutions but may run before them), so the order is
+    observed, once, with forward pre-hooks.
+    """
+
+    def __init__(self, model: nn.Module):
+        self._candidates = parameter_modules(model)
+        self._seen: list[int] = []
+        self._handles = [module.register_forward_pre_hook(self._make_hook(i))
+                         for i, (_, module, _) in enumerate(self._candidates)]
+
+    def _make_hook(self, i: int):
+        def hook(module, args):
+            if i not in self._seen:
+                self._seen.append(i)
+        return hook
+
+    def finish(self) -> list[Layer]:
+        """Remove the hooks and return the layers in forward order.
+
+        Modules that never ran in forward (their parameters are used by a parent
+        directly) go first, so the first forward hook waits for them too.
+        """
+        for handle in self._handles:
+            handle.remove()
+        unseen = [i for i in range(len(self._candidates)) if i not in self._seen]
+        order = unseen + self._seen
+        return [Layer(index=pos, name=self._candidates[i][0] or "<root>",
+                      module=self._candidates[i][1], params=self._candidates[i][2])
+                for pos, i in enumerate(order)]

@@ -1,0 +1,63 @@
+"""The sync-strategy interface: how a layer's gradient becomes the averaged gradient."""
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+
+import torch
+
+from convoy.engine.layers import Layer
+
+
+class PendingSync(ABC):
+    """An exchange in flight for one layer."""
+
+    @abstractmethod
+    def is_done(self) -> bool:
+        """True once ``wait`` would not block."""
+
+    @abstractmethod
+    def wait(self) -> torch.Tensor:
+        """Block until the exchange ends; return the averaged flat gradient."""
+
+
+class SyncStrategy(ABC):
+    """Exchanges each layer's gradient with the other workers.
+
+    The engine calls ``start`` from its auxiliary thread, once per layer per
+    step, in the same layer order on every rank, and ``wait``s on the results
+    in that order. Implementations count the payload bytes they put on and take
+    off the wire with ``_count``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    @abstractmethod
+    def start(self, layer: Layer, grad: torch.Tensor) -> PendingSync:
+        """Begin exchanging ``grad``, the flat local gradient of ``layer``."""
+
+    def _count(self, sent: int, received: int) -> None:
+        with self._lock:
+            self.bytes_sent += int(sent)
+            self.bytes_received += int(received)
+
+    def traffic(self) -> tuple[int, int]:
+        """Bytes sent and received so far."""
+        with self._lock:
+            return self.bytes_sent, self.bytes_received
+
+
+class Done(PendingSync):
+    """An exchange that needed no communication (a world of one)."""
+
+    def __init__(self, result: torch.Tensor):
+        self._result = result
+
+    def is_done(self) -> bool:
+        return True
+
+    def wait(self) -> torch.Tensor:
+        return self._result

@@ -1,0 +1,172 @@
+"""Every setting of a training job, with its default, help text and check.
+
+The command line and ``--config`` TOML files are both built from this one
+table, so a flag and a config key never disagree.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from convoy.errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "rmsprop", "adagrad")
+LR_SCHEDULE_NAMES = ("constant", "cosine")
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class TrainConfig:
+    """A training job. Field names are the TOML keys; ``--batch-size`` is ``batch_size``."""
+
+    nproc: int = _opt(2, "local worker processes to spawn (ignored under torchrun)")
+    model: str = _opt("lenet", "lenet, vgg_fc, resnet18, or package.module:factory returning an nn.Module")
+    dataset: str = _opt("digits", "digits (embedded), mnist, cifar10, synthetic, or package.module:factory")
+    data_dir: str | None = _opt(None, "folder holding the mnist IDX files or the cifar10 python batches")
+    synthetic_shape: str = _opt("3,32,32", "C,H,W of the synthetic dataset's images")
+    batch_size: int = _opt(32, "samples per worker per step; the global batch is nproc x this")
+    optimizer: str = _opt("sgd", "optimizer, applied layer by layer: " + ", ".join(OPTIMIZER_NAMES)
+                          + ", or package.module:Class")
+    lr: float = _opt(0.05, "learning rate")
+    momentum: float = _opt(0.9, "momentum (sgd, rmsprop)")
+    weight_decay: float = _opt(0.0, "L2 weight decay")
+    lr_schedule: str = _opt("constant", "learning-rate schedule: " + ", ".join(LR_SCHEDULE_NAMES))
+    steps: int | None = _opt(None, "train this many steps (exclusive with --epochs)")
+    epochs: int | None = _opt(None, "train this many epochs (default 8 when --steps is not given)")
+    eval_every: int = _opt(0, "evaluate on the test set every N steps (0: at the end only)")
+    seed: int = _opt(0, "seed of the model's initialisation and the data order")
+    out: str | None = _opt(None, "run folder for metrics and the final model (default runs/<time>)")
+    sync: str = _opt("allreduce", "gradient synchronisation strategy")
+    compress: str = _opt("none", "gradient compressor")
+    parallel: str = _opt("data", "parallel layout")
+    threads: int = _opt(1, "torch threads per worker")
+    timeout: float = _opt(300.0, "seconds a collective waits for a peer before the job fails")
+    progress: bool = _opt(True, "show a progress bar on rank 0")
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        if self.steps is not None:
+            return self.steps
+        return (self.epochs or 8) * steps_per_epoch
+
+    def synthetic_dims(self) -> tuple[int, int, int]:
+        try:
+            dims = tuple(int(v) for v in self.synthetic_shape.split(","))
+        except ValueError:
+            dims = ()
+        if len(dims) != 3 or min(dims) < 1:
+            raise UsageError(f"--synthetic-shape must be three positive integers C,H,W, got {self.synthetic_shape!r}")
+        return dims  # type: ignore[return-value]
+
+    def validate(self) -> "TrainConfig":
+        """Raise UsageError naming the first bad setting; return self when all are good."""
+        from convoy.compress import COMPRESS_NAMES
+        from convoy.parallel import PARALLEL_NAMES
+        from convoy.sync import SYNC_NAMES
+
+        _at_least("nproc", self.nproc, 1)
+        _at_least("batch_size", self.batch_size, 1)
+        _at_least("threads", self.threads, 1)
+        _at_least("eval_every", self.eval_every, 0)
+        if self.steps is not None and self.epochs is not None:
+            raise UsageError("give --steps or --epochs, not both")
+        if self.steps is not None:
+            _at_least("steps", self.steps, 1)
+        if self.epochs is not None:
+            _at_least("epochs", self.epochs, 1)
+        _positive("lr", self.lr)
+        _positive("timeout", self.timeout)
+        if not 0.0 <= self.momentum < 1.0:
+            raise UsageError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if self.weight_decay < 0:
+            raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        _one_of("sync", self.sync, SYNC_NAMES)
+        _one_of("compress", self.compress, COMPRESS_NAMES)
+        _one_of("parallel", self.parallel, PARALLEL_NAMES)
+        _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULE_NAMES)
+        if ":" not in self.optimizer:
+            _one_of("optimizer", self.optimizer, OPTIMIZER_NAMES)
+        self.synthetic_dims()
+        return self
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise UsageError(f"{_flag(name)} must be >= {low}, got {value}")
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise UsageError(f"{_flag(name)} must be > 0, got {value}")
+
+
+def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UsageError(f"unknown {_flag(name)} {value!r}; choose one of: {', '.join(choices)}")
+
+
+def config_fields() -> list[dataclasses.Field]:
+    return list(dataclasses.fields(TrainConfig))
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a config file; keys may be spelt with - or _; unknown keys are errors."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"config file {path} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise UsageError(f"config file {path} is not valid TOML: {exc}") from None
+    known = {f.name: f for f in config_fields()}
+    values = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise UsageError(f"config file {path}: unknown key {key!r}; valid keys: {', '.join(known)}")
+        values[name] = value
+    return values
+
+
+def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainConfig:
+    """Defaults, then the file, then the flags the user actually gave."""
+    merged = {**file_values, **flag_values}
+    config = TrainConfig(**merged)
+    for f in config_fields():
+        value = getattr(config, f.name)
+        if value is None:
+            continue
+        expected = _base_type(f)
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            setattr(config, f.name, float(value))
+        elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise UsageError(f"{f.name} must be {expected.__name__}, got {value!r}")
+    return config.validate()
+
+
+def _base_type(f: dataclasses.Field) -> type:
+    text = str(f.type)
+    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if text.startswith(name):
+            return kind
+    raise TypeError(f"unsupported config type {text}")  # pragma: no cover
+
+
+def save_config(config: TrainConfig, out_dir: Path) -> None:
+    import json
+
+    (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
