@@ -25,11 +25,11 @@ def report_failure(exc: BaseException, rank: int) -> int:
     summary = str(exc) if code == 2 else f"{type(exc).__name__}: {exc}"
     details = "" if code == 2 else "".join(traceback.format_exception(exc))
     path = os.environ.get(ERROR_FILE_ENV)
-    if path:
+    if path:  # the launcher prints the first failure, once for the whole job
         with open(path, "w") as f:
             json.dump({"rank": rank, "code": code, "summary": summary, "traceback": details}, f)
-    elif details:
-        sys.stderr.write(details)
+        return code
+    sys.stderr.write(details)
     print(f"convoy: error: rank {rank}: {summary}" if code != 2 else f"convoy: error: {summary}",
           file=sys.stderr, flush=True)
     return code

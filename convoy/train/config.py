@@ -40,10 +40,10 @@ class TrainConfig:
                           + ", or package.module:Class")
     lr: float = _opt(0.05, "learning rate")
     momentum: float = _opt(0.9, "momentum (sgd, rmsprop)")
-    weight_decay: float = _opt(0.0, "L2 weight decay")
-    lr_schedule: str = _opt("constant", "learning-rate schedule: " + ", ".join(LR_SCHEDULE_NAMES))
+    weight_decay: float = _opt(5e-4, "L2 weight decay")
+    lr_schedule: str = _opt("cosine", "learning-rate schedule: " + ", ".join(LR_SCHEDULE_NAMES))
     steps: int | None = _opt(None, "train this many steps (exclusive with --epochs)")
-    epochs: int | None = _opt(None, "train this many epochs (default 8 when --steps is not given)")
+    epochs: int | None = _opt(None, "train this many epochs (default 40 when --steps is not given)")
     eval_every: int = _opt(0, "evaluate on the test set every N steps (0: at the end only)")
     seed: int = _opt(0, "seed of the model's initialisation and the data order")
     out: str | None = _opt(None, "run folder for metrics and the final model (default runs/<time>)")
@@ -57,7 +57,7 @@ class TrainConfig:
     def total_steps(self, steps_per_epoch: int) -> int:
         if self.steps is not None:
             return self.steps
-        return (self.epochs or 8) * steps_per_epoch
+        return (self.epochs or 40) * steps_per_epoch
 
     def synthetic_dims(self) -> tuple[int, int, int]:
         try:
@@ -71,6 +71,8 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         """Raise UsageError naming the first bad setting; return self when all are good."""
         from convoy.compress import COMPRESS_NAMES
+        from convoy.data import DATASET_NAMES
+        from convoy.models import MODEL_NAMES
         from convoy.parallel import PARALLEL_NAMES
         from convoy.sync import SYNC_NAMES
 
@@ -94,8 +96,13 @@ class TrainConfig:
         _one_of("compress", self.compress, COMPRESS_NAMES)
         _one_of("parallel", self.parallel, PARALLEL_NAMES)
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULE_NAMES)
-        if ":" not in self.optimizer:
-            _one_of("optimizer", self.optimizer, OPTIMIZER_NAMES)
+        # Names are checked here, before any worker starts; import paths only
+        # resolve inside the workers, where the user's modules are imported.
+        for name, value, choices in (("optimizer", self.optimizer, OPTIMIZER_NAMES),
+                                     ("model", self.model, MODEL_NAMES),
+                                     ("dataset", self.dataset, DATASET_NAMES)):
+            if ":" not in value:
+                _one_of(name, value, choices + ("package.module:factory",))
         self.synthetic_dims()
         return self
 
