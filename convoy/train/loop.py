@@ -91,7 +91,7 @@ def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, sp
                dynamic_ncols=True, leave=False)
     start = time.perf_counter()
     bytes_sent, step, epoch, last = 0, 0, 0, None
-    accuracy = float("nan")
+    accuracy, seen, right = None, 0, 0
     while step < total_steps:
         sampler.set_epoch(epoch)
         for x, y in iterate_batches(splits.train, sampler):
@@ -105,7 +105,9 @@ def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, sp
                 accuracy, test_loss = evaluate(layout, splits.test, ctx.device)
                 metrics.write("eval", step=step, time=time.perf_counter() - start,
                               test_accuracy=accuracy, test_loss=test_loss)
-            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{accuracy:.3f}", samples_s=f"{samples_per_s:.0f}",
+            seen, right = seen + len(y), right + correct
+            shown = {"test_acc": f"{accuracy:.3f}"} if accuracy is not None else {"train_acc": f"{right / seen:.3f}"}
+            bar.set_postfix(loss=f"{loss:.3f}", **shown, samples_s=f"{samples_per_s:.0f}",
                             sent=f"{bytes_sent / 1e6:.1f}MB", refresh=False)
             bar.update()
             if step >= total_steps:

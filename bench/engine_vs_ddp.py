@@ -1,0 +1,104 @@
+"""Step time of convoy's pipelined engine against torch DDP, same model, data and world size.
+
+    python bench/engine_vs_ddp.py [--models vgg_fc resnet18] [--worlds 2 4] [--steps 10]
+
+Loopback gloo, one torch thread per worker. Writes bench/results/engine_vs_ddp.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import save, spawn  # noqa: E402
+from convoy.engine import Engine  # noqa: E402
+from convoy.models import build_model  # noqa: E402
+from convoy.sync import AllReduce  # noqa: E402
+
+WARMUP = 2
+
+
+def _model(name: str, channels: int) -> nn.Module:
+    torch.manual_seed(0)
+    return build_model(name, in_channels=channels, num_classes=10)
+
+
+def _batch(rank: int, batch: int, channels: int):
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(batch, channels, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def _timed(step, finish, steps: int) -> list[float]:
+    for _ in range(WARMUP):
+        step()
+    finish()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    finish()
+    times[-1] += time.perf_counter() - start
+    return times
+
+
+def worker(rank: int, world: int, name: str, batch: int, steps: int, channels: int) -> dict:
+    x, y = _batch(rank, batch, channels)
+    model = _model(name, channels)
+    strategy = AllReduce(dist.new_group())
+    engine = Engine(model, torch.optim.SGD, strategy, lr=0.01, momentum=0.9)
+    engine_times = _timed(lambda: engine.backward(F.cross_entropy(model(x), y)), engine.synchronize, steps)
+    waits = [engine.stats(s).wait_s for s in range(WARMUP, WARMUP + steps)]
+    engine.close()
+
+    ddp = nn.parallel.DistributedDataParallel(_model(name, channels))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+
+    def ddp_step():
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+
+    ddp_times = _timed(ddp_step, lambda: None, steps)
+    return {"engine": engine_times, "ddp": ddp_times, "wait": waits,
+            "bytes_per_step": strategy.bytes_sent / (WARMUP + steps)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["vgg_fc", "resnet18"])
+    parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16, help="samples per worker")
+    args = parser.parse_args()
+    rows = []
+    for name in args.models:
+        channels = 3 if name == "resnet18" else 1
+        for world in args.worlds:
+            results = spawn(worker, world, name, args.batch, args.steps, channels)
+            # A step is as slow as its slowest rank.
+            engine = statistics.median(max(r["engine"][i] for r in results) for i in range(args.steps))
+            ddp = statistics.median(max(r["ddp"][i] for r in results) for i in range(args.steps))
+            rows.append({"model": name, "world": world, "batch/worker": args.batch,
+                         "engine_step_s": engine, "ddp_step_s": ddp, "engine/ddp": engine / ddp,
+                         "engine_samples_s": world * args.batch / engine,
+                         "ddp_samples_s": world * args.batch / ddp,
+                         "engine_wait_s": statistics.median(results[0]["wait"]),
+                         "MB_sent/step": results[0]["bytes_per_step"] / 1e6})
+            print(rows[-1], flush=True)
+    save("engine_vs_ddp", vars(args), rows,
+         ["model", "world", "batch/worker", "engine_step_s", "ddp_step_s", "engine/ddp",
+          "engine_samples_s", "ddp_samples_s", "engine_wait_s", "MB_sent/step"])
+
+
+if __name__ == "__main__":
+    main()
