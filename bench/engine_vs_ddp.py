@@ -7,6 +7,7 @@ Loopback gloo, one torch thread per worker. Writes bench/results/engine_vs_ddp.{
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -51,11 +52,11 @@ def _timed(step, finish, steps: int) -> list[float]:
     return times
 
 
-def worker(rank: int, world: int, name: str, batch: int, steps: int, channels: int) -> dict:
+def worker(rank: int, world: int, name: str, batch: int, steps: int, channels: int, bucket_kb: int) -> dict:
     x, y = _batch(rank, batch, channels)
     model = _model(name, channels)
     strategy = AllReduce(dist.new_group())
-    engine = Engine(model, torch.optim.SGD, strategy, lr=0.01, momentum=0.9)
+    engine = Engine(model, torch.optim.SGD, strategy, lr=0.01, momentum=0.9, bucket_bytes=bucket_kb * 1024)
     engine_times = _timed(lambda: engine.backward(F.cross_entropy(model(x), y)), engine.synchronize, steps)
     waits = [engine.stats(s).wait_s for s in range(WARMUP, WARMUP + steps)]
     engine.close()
@@ -79,16 +80,18 @@ def main() -> None:
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16, help="samples per worker")
+    parser.add_argument("--bucket-kb", nargs="+", type=int, default=[0],
+                        help="engine bucket sizes to measure (0: one layer per exchange)")
     args = parser.parse_args()
     rows = []
     for name in args.models:
         channels = 3 if name == "resnet18" else 1
-        for world in args.worlds:
-            results = spawn(worker, world, name, args.batch, args.steps, channels)
+        for world, bucket_kb in itertools.product(args.worlds, args.bucket_kb):
+            results = spawn(worker, world, name, args.batch, args.steps, channels, bucket_kb)
             # A step is as slow as its slowest rank.
             engine = statistics.median(max(r["engine"][i] for r in results) for i in range(args.steps))
             ddp = statistics.median(max(r["ddp"][i] for r in results) for i in range(args.steps))
-            rows.append({"model": name, "world": world, "batch/worker": args.batch,
+            rows.append({"model": name, "world": world, "batch/worker": args.batch, "bucket_kb": bucket_kb,
                          "engine_step_s": engine, "ddp_step_s": ddp, "engine/ddp": engine / ddp,
                          "engine_samples_s": world * args.batch / engine,
                          "ddp_samples_s": world * args.batch / ddp,
@@ -96,7 +99,7 @@ def main() -> None:
                          "MB_sent/step": results[0]["bytes_per_step"] / 1e6})
             print(rows[-1], flush=True)
     save("engine_vs_ddp", vars(args), rows,
-         ["model", "world", "batch/worker", "engine_step_s", "ddp_step_s", "engine/ddp",
+         ["model", "world", "batch/worker", "bucket_kb", "engine_step_s", "ddp_step_s", "engine/ddp",
           "engine_samples_s", "ddp_samples_s", "engine_wait_s", "MB_sent/step"])
 
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from convoy.engine.layers import ForwardOrderRecorder, Layer
+from convoy.engine.layers import Bucket, ForwardOrderRecorder, Layer, make_buckets
 from convoy.engine.listeners import Listener
 from convoy.engine.stats import StepStats
 from convoy.sync.base import SyncStrategy
@@ -44,6 +44,8 @@ class Engine:
         listeners: told when each layer's update and each step is final.
         lr_lambda: ``step -> factor``; each step's learning rate is the base ``lr``
             times this factor (the rule of ``torch.optim.lr_scheduler.LambdaLR``).
+        bucket_bytes: exchange consecutive layers together until a payload holds
+            at least this many bytes; 0 exchanges every layer on its own.
         **optimizer_kwargs: hyper-parameters for ``optimizer_class``.
 
     Call ``backward(loss)`` instead of ``loss.backward(); optimizer.step()``;
@@ -59,11 +61,15 @@ class Engine:
 
     def __init__(self, model: nn.Module, optimizer_class: type[torch.optim.Optimizer],
                  sync: SyncStrategy, listeners: Sequence[Listener] = (),
-                 lr_lambda: Callable[[int], float] | None = None, **optimizer_kwargs: Any):
+                 lr_lambda: Callable[[int], float] | None = None, bucket_bytes: int = 0,
+                 **optimizer_kwargs: Any):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ValueError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+        if bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be >= 0, got {bucket_bytes}")
+        self._bucket_bytes = bucket_bytes
         self.model = model
         self.sync = sync
         self.listeners = list(listeners)
@@ -71,6 +77,7 @@ class Engine:
         self._optimizer_kwargs = optimizer_kwargs
         self._lr_lambda = lr_lambda
         self.layers: list[Layer] = []
+        self.buckets: list[Bucket] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self._recorder: ForwardOrderRecorder | None = ForwardOrderRecorder(model)
 
@@ -97,6 +104,7 @@ class Engine:
         self._recorder = None
         if not self.layers:
             raise ValueError("the model has no trainable parameters")
+        self.buckets = make_buckets(self.layers, self._bucket_bytes)
         self.optimizers = [self._optimizer_class(layer.params, **self._optimizer_kwargs)
                            for layer in self.layers]
         self._base_lrs = [[g["lr"] for g in opt.param_groups] for opt in self.optimizers]
@@ -203,13 +211,14 @@ class Engine:
         self._apply_lr(step)
         sent0, received0 = self.sync.traffic()
         in_flight: deque = deque()
-        for layer in reversed(self.layers):
-            self._wait_ready(layer, step)
-            in_flight.append((layer, self.sync.start(layer, layer.flat_grad())))
+        for bucket in self.buckets:
+            for layer in bucket.layers:
+                self._wait_ready(layer, step)
+            in_flight.append((bucket, self.sync.start(bucket, bucket.flat_grad())))
             while in_flight and in_flight[0][1].is_done():
-                self._finish_layer(*in_flight.popleft(), step)
+                self._finish_bucket(*in_flight.popleft(), step)
         while in_flight:
-            self._finish_layer(*in_flight.popleft(), step)
+            self._finish_bucket(*in_flight.popleft(), step)
         sent1, received1 = self.sync.traffic()
         with self._cond:
             stats = self._stats.setdefault(step, StepStats(step))
@@ -229,16 +238,17 @@ class Engine:
                 self._cond.wait(_POLL_S)
             self._ready_count[layer.index] = 0
 
-    def _finish_layer(self, layer: Layer, pending: Any, step: int) -> None:
-        layer.set_grad_from_flat(pending.wait())
-        self.optimizers[layer.index].step()
-        for p in layer.params:
-            p.grad = None
-        with self._cond:
-            self._updates_done[layer.index] += 1
-            self._cond.notify_all()
-        for listener in self.listeners:
-            listener.on_layer_updated(layer, step)
+    def _finish_bucket(self, bucket: Bucket, pending: Any, step: int) -> None:
+        bucket.set_grad_from_flat(pending.wait())
+        for layer in bucket.layers:
+            self.optimizers[layer.index].step()
+            for p in layer.params:
+                p.grad = None
+            with self._cond:
+                self._updates_done[layer.index] += 1
+                self._cond.notify_all()
+            for listener in self.listeners:
+                listener.on_layer_updated(layer, step)
 
     def _apply_lr(self, step: int) -> None:
         if self._lr_lambda is None:

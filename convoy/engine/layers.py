@@ -21,19 +21,66 @@ class Layer:
     params: list[nn.Parameter] = field(default_factory=list)
 
     @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.params)
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Consecutive layers (in sync order) exchanged as one payload.
+
+    One collective for several small layers saves the per-message latency
+    that dominates small exchanges; each layer is still updated on its own as
+    soon as the bucket's exchange ends. ``index`` is the bucket's position in
+    sync order, the same on every rank.
+    """
+
+    index: int
+    layers: list[Layer]
+    _buffer: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for layer in self.layers for p in layer.params]
+
+    @property
+    def name(self) -> str:
+        return "+".join(layer.name for layer in self.layers)
 
     def flat_grad(self) -> torch.Tensor:
-        """The layer's gradients concatenated; zeros for a parameter backward did not reach."""
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in self.params])
+        """The gradients concatenated; zeros for a parameter backward did not reach.
+
+        The result lives in a buffer reused every step (a fresh multi-MB
+        allocation costs page faults each step): it is valid until the next call.
+        """
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params]
+        if self._buffer is None:
+            self._buffer = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype,
+                                       device=grads[0].device)
+        return torch.cat(grads, out=self._buffer)
 
     def set_grad_from_flat(self, flat: torch.Tensor) -> None:
         offset = 0
         for p in self.params:
             p.grad = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
+
+
+def make_buckets(layers: list[Layer], bucket_bytes: int) -> list[Bucket]:
+    """Group ``layers``, taken in reverse forward order, into buckets of at least ``bucket_bytes``.
+
+    ``bucket_bytes = 0`` gives one bucket per layer (the seed's pure layer-wise sync).
+    """
+    buckets: list[Bucket] = []
+    current: list[Layer] = []
+    for layer in reversed(layers):
+        current.append(layer)
+        if sum(l.nbytes for l in current) >= bucket_bytes:
+            buckets.append(Bucket(len(buckets), current))
+            current = []
+    if current:
+        buckets.append(Bucket(len(buckets), current))
+    return buckets
 
 
 def parameter_modules(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:

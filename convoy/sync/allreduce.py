@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from convoy.compress import Compressor, IdentityCompressor, Memory, NoMemory
-from convoy.engine.layers import Layer
+from convoy.engine.layers import Bucket
 from convoy.sync.base import Done, PendingSync, SyncStrategy
 
 
@@ -58,8 +58,8 @@ class AllReduce(SyncStrategy):
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
 
-    def start(self, layer: Layer, grad: torch.Tensor) -> PendingSync:
-        name = str(layer.index)
+    def start(self, bucket: Bucket, grad: torch.Tensor) -> PendingSync:
+        name = str(bucket.index)
         compensated = self.memory.compensate(grad, name)
         payload, ctx = self.compressor.compress(compensated, name)
         self.memory.update(compensated, name, self.compressor.decompress(payload, ctx))

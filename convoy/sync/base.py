@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from convoy.engine.layers import Layer
+from convoy.engine.layers import Bucket
 
 
 class PendingSync(ABC):
@@ -24,8 +24,8 @@ class PendingSync(ABC):
 class SyncStrategy(ABC):
     """Exchanges each layer's gradient with the other workers.
 
-    The engine calls ``start`` from its auxiliary thread, once per layer per
-    step, in the same layer order on every rank, and ``wait``s on the results
+    The engine calls ``start`` from its auxiliary thread, once per bucket of
+    layers per step, in the same order on every rank, and ``wait``s on the results
     in that order. Implementations count the payload bytes they put on and take
     off the wire with ``_count``.
     """
@@ -36,8 +36,8 @@ class SyncStrategy(ABC):
         self.bytes_received = 0
 
     @abstractmethod
-    def start(self, layer: Layer, grad: torch.Tensor) -> PendingSync:
-        """Begin exchanging ``grad``, the flat local gradient of ``layer``."""
+    def start(self, bucket: Bucket, grad: torch.Tensor) -> PendingSync:
+        """Begin exchanging ``grad``, the flat local gradient of ``bucket``'s layers."""
 
     def _count(self, sent: int, received: int) -> None:
         with self._lock:
