@@ -80,6 +80,7 @@ class Engine:
         self.buckets: list[Bucket] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self._recorder: ForwardOrderRecorder | None = ForwardOrderRecorder(model)
+        self._pending_state: dict[str, dict] | None = None   # optimizer state to load once layers exist
 
         self._cond = threading.Condition()
         self._ready_count: list[int] = []     # params of each layer whose grad arrived this step
@@ -105,9 +106,13 @@ class Engine:
         if not self.layers:
             raise ValueError("the model has no trainable parameters")
         self.buckets = make_buckets(self.layers, self._bucket_bytes)
+        for bucket in self.buckets:
+            bucket.attach_grads()
         self.optimizers = [self._optimizer_class(layer.params, **self._optimizer_kwargs)
                            for layer in self.layers]
         self._base_lrs = [[g["lr"] for g in opt.param_groups] for opt in self.optimizers]
+        if self._pending_state is not None:
+            self.load_optimizer_state(self._pending_state)
         self._ready_count = [0] * len(self.layers)
         self._updates_done = [self.step] * len(self.layers)
         self._backward_done = self._steps_done = self.step - 1
@@ -183,6 +188,20 @@ class Engine:
             raise RuntimeError("set_step must be called before the first backward")
         self.step = step
 
+    def load_optimizer_state(self, states: dict[str, dict]) -> None:
+        """Load saved per-layer optimizer ``state`` (``state_dict()["state"]``), keyed by layer name.
+
+        Before the first backward the layers do not exist yet; the states are
+        kept and loaded when they are built. Hyper-parameters stay as configured.
+        """
+        if not self.layers:
+            self._pending_state = states
+            return
+        self._pending_state = None
+        for layer, opt in zip(self.layers, self.optimizers):
+            if layer.name in states:
+                opt.load_state_dict({"state": states[layer.name], "param_groups": opt.state_dict()["param_groups"]})
+
     def _wait_for(self, predicate: Callable[[], bool]) -> None:
         start = time.perf_counter()
         with self._cond:
@@ -239,16 +258,18 @@ class Engine:
             self._ready_count[layer.index] = 0
 
     def _finish_bucket(self, bucket: Bucket, pending: Any, step: int) -> None:
-        bucket.set_grad_from_flat(pending.wait())
+        bucket.set_grads(pending.wait())
         for layer in bucket.layers:
             self.optimizers[layer.index].step()
-            for p in layer.params:
-                p.grad = None
+        bucket.reset_grads()
+        for layer in bucket.layers:
+            # Listeners run before the next forward may use the layer, so a
+            # checkpoint's snapshot sees exactly this step's parameters and buffers.
+            for listener in self.listeners:
+                listener.on_layer_updated(layer, step)
             with self._cond:
                 self._updates_done[layer.index] += 1
                 self._cond.notify_all()
-            for listener in self.listeners:
-                listener.on_layer_updated(layer, step)
 
     def _apply_lr(self, step: int) -> None:
         if self._lr_lambda is None:

@@ -37,7 +37,7 @@ class Bucket:
 
     index: int
     layers: list[Layer]
-    _buffer: torch.Tensor | None = field(default=None, repr=False)
+    _buffer: torch.Tensor | None = field(default=None, repr=False)  # backs every p.grad
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -47,23 +47,46 @@ class Bucket:
     def name(self) -> str:
         return "+".join(layer.name for layer in self.layers)
 
-    def flat_grad(self) -> torch.Tensor:
-        """The gradients concatenated; zeros for a parameter backward did not reach.
+    def attach_grads(self) -> None:
+        """Make every ``p.grad`` a view into one flat buffer of the bucket.
 
-        The result lives in a buffer reused every step (a fresh multi-MB
-        allocation costs page faults each step): it is valid until the next call.
+        Backward then accumulates straight into the buffer the exchange sends
+        (DDP's ``gradient_as_bucket_view``): no copy, and no fresh multi-MB
+        gradient allocation, with its page faults, every step.
         """
-        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params]
-        if self._buffer is None:
-            self._buffer = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype,
-                                       device=grads[0].device)
-        return torch.cat(grads, out=self._buffer)
+        params = self.params
+        self._buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                   device=params[0].device)
+        offset = 0
+        for p in params:
+            view = self._buffer[offset:offset + p.numel()].view_as(p)
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
+            offset += p.numel()
 
-    def set_grad_from_flat(self, flat: torch.Tensor) -> None:
+    def flat_grad(self) -> torch.Tensor:
+        """This step's gradients, flat (the bucket's buffer, valid until ``reset_grads``)."""
+        assert self._buffer is not None, "attach_grads first"
         offset = 0
         for p in self.params:
-            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            # Someone (a user's zero_grad(set_to_none=True)) replaced the view.
+            if p.grad is None or p.grad.data_ptr() != self._buffer[offset:].data_ptr():
+                self._buffer[offset:offset + p.numel()].copy_(
+                    p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()))
+                p.grad = self._buffer[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
+        return self._buffer
+
+    def set_grads(self, flat: torch.Tensor) -> None:
+        """Point ``p.grad`` at the averaged gradient ``flat`` for the optimizer step."""
+        if flat.data_ptr() == self._buffer.data_ptr():
+            return
+        self._buffer.copy_(flat)
+
+    def reset_grads(self) -> None:
+        """Zero the buffer so the next backward accumulates this step's gradient afresh."""
+        self._buffer.zero_()
 
 
 def make_buckets(layers: list[Layer], bucket_bytes: int) -> list[Bucket]:
