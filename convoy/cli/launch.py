@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 from convoy.cli.errors import ERROR_FILE_ENV, read_failure
 
 _POLL_S = 0.05
@@ -31,14 +32,28 @@ def launch(config_json: str, nproc: int) -> int:
     with tempfile.TemporaryDirectory(prefix="convoy-launch-") as tmp:
         config_path = Path(tmp, "config.json")
         config_path.write_text(config_json)
+        argv = [sys.executable, "-m", "convoy", "_worker", str(config_path)]
+        return run_ranks(lambda rank: argv, nproc, "127.0.0.1", "lo")
+
+
+def run_ranks(argv_of: Callable[[int], list[str]], nproc: int, master_addr: str, interface: str) -> int:
+    """Start ``argv_of(rank)`` for every rank with torchrun's variables set; supervise them.
+
+    Args:
+        argv_of: the command of each rank (a prefix may place it in a namespace).
+        nproc: the world size.
+        master_addr: the address where rank 0 listens for the rendezvous.
+        interface: the network interface gloo uses (GLOO_SOCKET_IFNAME), unless set already.
+    """
+    with tempfile.TemporaryDirectory(prefix="convoy-ranks-") as tmp:
         port = free_port()
         procs = []
         for rank in range(nproc):
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
-                   "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
                    ERROR_FILE_ENV: str(Path(tmp, f"rank{rank}.json"))}
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            procs.append(subprocess.Popen([sys.executable, "-m", "convoy", "_worker", str(config_path)], env=env))
+            env.setdefault("GLOO_SOCKET_IFNAME", interface)
+            procs.append(subprocess.Popen(argv_of(rank), env=env))
         try:
             return _supervise(procs, Path(tmp))
         except KeyboardInterrupt:

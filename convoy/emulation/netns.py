@@ -1,0 +1,128 @@
+"""Emulated hosts: Linux network namespaces on bridges, links shaped with tc.
+
+One "switch" namespace holds a bridge per rack; each host namespace has an
+``eth0`` whose peer is a port of its rack's bridge; racks are joined by one
+veth pair between their bridges. Every link is shaped in both directions with
+a token-bucket filter (tbf) on the egress of both of its ends. Nothing touches
+the machine's own namespace, and everything is removed on exit.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from typing import Sequence
+
+from convoy.emulation.topology import Topology
+from convoy.errors import UsageError
+
+PREFIX = "convoy"
+
+
+def check_available() -> None:
+    """Raise UsageError unless this process may build namespaces (root, iproute2)."""
+    if os.geteuid() != 0:
+        raise UsageError("emulated clusters need root (network namespaces); run as root")
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise UsageError(f"emulated clusters need iproute2; not found: {', '.join(missing)}")
+
+
+def _run(*argv: str) -> None:
+    result = subprocess.run(argv, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed: {result.stderr.strip()}")
+
+
+def _shape(ns: str, dev: str, rate: float) -> None:
+    # A burst of at least 4 ms of traffic (and one jumbo frame) keeps tbf
+    # accurate at the kernel's timer resolution.
+    burst = max(int(rate / 8 * 0.004), 16_000)
+    _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
+         "rate", f"{int(rate)}bit", "burst", str(burst), "latency", "100ms")
+
+
+class EmulatedCluster:
+    """Builds the namespaces of ``topology`` on enter and removes them on exit.
+
+    Example::
+
+        >>> with EmulatedCluster(Topology(hosts=2, host_rate=100e6)) as cluster:
+        ...     subprocess.run(cluster.exec_prefix(0) + ["ip", "addr"])
+    """
+
+    def __init__(self, topology: Topology, tag: str | None = None):
+        self.topology = topology
+        self.tag = tag or f"{PREFIX}{os.getpid()}"
+        self.switch = f"{self.tag}-sw"
+        self.namespaces: list[str] = []
+
+    def host_ns(self, host: int) -> str:
+        return f"{self.tag}-h{host}"
+
+    def exec_prefix(self, host: int) -> list[str]:
+        """Prefix a command with this to run it on ``host``."""
+        return ["ip", "netns", "exec", self.host_ns(host)]
+
+    def __enter__(self) -> "EmulatedCluster":
+        check_available()
+        try:
+            self._build()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
+    def _add_ns(self, name: str) -> None:
+        _run("ip", "netns", "add", name)
+        self.namespaces.append(name)
+        _run("ip", "-n", name, "link", "set", "lo", "up")
+
+    def _build(self) -> None:
+        topo = self.topology
+        self._add_ns(self.switch)
+        for rack in range(topo.racks):
+            _run("ip", "-n", self.switch, "link", "add", "name", f"br{rack}", "type", "bridge")
+            _run("ip", "-n", self.switch, "link", "set", f"br{rack}", "up")
+        for rack in range(1, topo.racks):
+            self._link_racks(0, rack)
+        for host in range(topo.hosts):
+            self._add_host(host)
+
+    def _add_host(self, host: int) -> None:
+        ns, port = self.host_ns(host), f"h{host}"
+        self._add_ns(ns)
+        _run("ip", "-n", self.switch, "link", "add", "name", port, "type", "veth", "peer", "name", "eth0",
+             "netns", ns)
+        _run("ip", "-n", self.switch, "link", "set", port, "master", f"br{self.topology.rack_of(host)}", "up")
+        _run("ip", "-n", ns, "addr", "add", f"{self.topology.address(host)}/24", "dev", "eth0")
+        _run("ip", "-n", ns, "link", "set", "eth0", "up")
+        _shape(ns, "eth0", self.topology.host_rate)
+        _shape(self.switch, port, self.topology.host_rate)
+
+    def _link_racks(self, a: int, b: int) -> None:
+        end_a, end_b = f"r{a}to{b}", f"r{b}to{a}"
+        _run("ip", "-n", self.switch, "link", "add", "name", end_a, "type", "veth", "peer", "name", end_b)
+        for end, rack in ((end_a, a), (end_b, b)):
+            _run("ip", "-n", self.switch, "link", "set", end, "master", f"br{rack}", "up")
+            _shape(self.switch, end, self.topology.inter_rack_rate)
+
+    def teardown(self) -> None:
+        """Delete every namespace made (their links go with them); never raises."""
+        for name in reversed(self.namespaces):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        self.namespaces.clear()
+
+
+def leftover_namespaces() -> list[str]:
+    """Namespaces of earlier runs that did not get to tear down (killed with SIGKILL)."""
+    result = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return [line.split()[0] for line in result.stdout.splitlines() if line.startswith(PREFIX)]
+
+
+def remove_namespaces(names: Sequence[str]) -> None:
+    for name in names:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)

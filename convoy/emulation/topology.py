@@ -1,0 +1,54 @@
+"""What an emulated cluster looks like: hosts, racks, and the rate of each link."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from convoy.errors import UsageError
+
+# RFC 2544 reserves 198.18.0.0/15 for network benchmarks: these addresses
+# never mean a real machine, and they exist only inside our namespaces.
+SUBNET = "198.18.0"
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
+
+
+def parse_rate(text: str) -> float:
+    """``"100mbit"`` -> 1e8 bits/s (tc's spelling: kbit, mbit, gbit; bit/s without a unit)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(bit)?\s*", text.lower())
+    if not match or float(match.group(1)) <= 0:
+        raise UsageError(f"bad link rate {text!r}; write it like 100mbit, 1gbit or 500kbit")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``hosts`` hosts in ``racks`` equal racks, each host on a link of ``host_rate`` bits/s;
+    racks joined by one link of ``inter_rack_rate`` bits/s.
+
+    Example::
+
+        >>> Topology(hosts=4, host_rate=1e9, racks=2, inter_rack_rate=50e6).rack_of(3)
+        1
+    """
+
+    hosts: int
+    host_rate: float
+    racks: int = 1
+    inter_rack_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.hosts <= 250:
+            raise UsageError(f"--hosts must be between 1 and 250, got {self.hosts}")
+        if self.racks < 1 or self.hosts % self.racks:
+            raise UsageError(f"--racks must divide --hosts ({self.hosts}), got {self.racks}")
+        if self.racks > 1 and self.inter_rack_rate is None:
+            raise UsageError("--inter-rack-rate is required with more than one rack")
+        if self.host_rate <= 0 or (self.inter_rack_rate is not None and self.inter_rack_rate <= 0):
+            raise UsageError("link rates must be > 0")
+
+    def rack_of(self, host: int) -> int:
+        return host // (self.hosts // self.racks)
+
+    def address(self, host: int) -> str:
+        return f"{SUBNET}.{host + 1}"
