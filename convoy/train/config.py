@@ -45,6 +45,8 @@ class TrainConfig:
     steps: int | None = _opt(None, "train this many steps (exclusive with --epochs)")
     epochs: int | None = _opt(None, "train this many epochs (default 40 when --steps is not given)")
     eval_every: int = _opt(0, "evaluate on the test set every N steps (0: at the end only)")
+    stop_at_accuracy: float | None = _opt(None, "stop once an evaluation reaches this test accuracy "
+                                          "(0..1; needs --eval-every)")
     seed: int = _opt(0, "seed of the model's initialisation and the data order")
     out: str | None = _opt(None, "run folder for metrics and the final model (default runs/<time>)")
     sync: str = _opt("allreduce", "gradient synchronisation strategy")
@@ -80,6 +82,11 @@ class TrainConfig:
         _at_least("batch_size", self.batch_size, 1)
         _at_least("threads", self.threads, 1)
         _at_least("eval_every", self.eval_every, 0)
+        if self.stop_at_accuracy is not None:
+            if not 0.0 < self.stop_at_accuracy <= 1.0:
+                raise UsageError(f"--stop-at-accuracy must be in (0, 1], got {self.stop_at_accuracy}")
+            if not self.eval_every:
+                raise UsageError("--stop-at-accuracy needs --eval-every N to evaluate during training")
         if self.steps is not None and self.epochs is not None:
             raise UsageError("give --steps or --epochs, not both")
         if self.steps is not None:

@@ -5,6 +5,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -110,8 +111,10 @@ def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, sp
             bar.set_postfix(loss=f"{loss:.3f}", **shown, samples_s=f"{samples_per_s:.0f}",
                             sent=f"{bytes_sent / 1e6:.1f}MB", refresh=False)
             bar.update()
-            if step >= total_steps:
+            if step >= total_steps or _reached(config, accuracy):
                 break
+        if _reached(config, accuracy):
+            break
         epoch += 1
     engine.synchronize()
     bytes_sent += _record_step(metrics, engine, *last)
@@ -120,6 +123,11 @@ def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, sp
     metrics.write("eval", step=step, time=wall, test_accuracy=accuracy, test_loss=test_loss)
     bar.close()
     return RunSummary(step, wall, accuracy, test_loss, _mean_over_ranks(bytes_sent), str(run_dir))
+
+
+def _reached(config: TrainConfig, accuracy: float | None) -> bool:
+    # Every rank sees the same all-reduced accuracy, so all stop at the same step.
+    return config.stop_at_accuracy is not None and accuracy is not None and accuracy >= config.stop_at_accuracy
 
 
 def _record_step(metrics: MetricsWriter, engine: Engine, step: int, epoch: int, loss: float,
@@ -134,6 +142,12 @@ def evaluate(layout: ParallelLayout, test: torch.utils.data.Dataset, device: tor
     """Accuracy and mean loss on the test set, each rank scoring a shard of it."""
     layout.engine.synchronize()
     average_buffers(layout.engine.model)
+    return score(layout.predict, test, device)
+
+
+def score(predict: Callable[[torch.Tensor], torch.Tensor], test: torch.utils.data.Dataset,
+          device: torch.device) -> tuple[float, float]:
+    """Accuracy and mean loss of ``predict`` (inputs -> logits) on ``test``, sharded over ranks."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     shard = shard_indices(len(test), world, rank)
@@ -141,7 +155,7 @@ def evaluate(layout: ParallelLayout, test: torch.utils.data.Dataset, device: tor
     for begin in range(shard.start, shard.stop, _EVAL_CHUNK):
         xs, ys = zip(*(test[i] for i in range(begin, min(begin + _EVAL_CHUNK, shard.stop))))
         x, y = torch.stack(xs).to(device), torch.as_tensor(ys, dtype=torch.int64).to(device)
-        logits = layout.predict(x)
+        logits = predict(x)
         totals += torch.tensor([(logits.argmax(1) == y).sum().item(),
                                 len(y), nn.functional.cross_entropy(logits, y, reduction="sum").item()],
                                dtype=torch.float64)
