@@ -3,45 +3,17 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import platform
-import socket
 import subprocess
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from convoy.utils.spawn import run_in_processes as spawn  # noqa: F401  (re-exported for the benchmarks)
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(fn(rank, world, *args)))
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
-    """``fn(rank, world, *args)`` in ``world`` gloo processes on loopback; their results."""
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_entry, args=(world, _free_port(), out, fn, args), nprocs=world,
-                           start_method="spawn")
-        return [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(world)]
 
 
 def machine() -> dict[str, Any]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,15 +15,10 @@ import time
 from pathlib import Path
 from typing import Callable
 from convoy.cli.errors import ERROR_FILE_ENV, read_failure
+from convoy.utils.spawn import free_port
 
 _POLL_S = 0.05
 _GRACE_S = 5.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(config_json: str, nproc: int) -> int:
