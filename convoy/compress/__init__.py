@@ -1,22 +1,47 @@
 """Gradient compressors behind one interface (GRACE's layering)."""
 from __future__ import annotations
 
-from convoy.compress.base import Compressor, Memory, NoMemory, ResidualMemory
+from convoy.compress.base import Compressor, LayerInfo, Memory, NoMemory, ResidualMemory
+from convoy.compress.blocktopk import SELECTIONS, BlockTopKCompressor
+from convoy.compress.blocks import METRICS, BlockLayout
 from convoy.compress.fp16 import FP16Compressor
 from convoy.compress.identity import IdentityCompressor
+from convoy.compress.randomk import RandomKCompressor
+from convoy.compress.rle import CodecError
+from convoy.compress.topk import TopKCompressor
 from convoy.errors import UsageError
 
-COMPRESS_NAMES = ("none", "fp16")
+COMPRESS_NAMES = ("none", "fp16", "blocktopk", "topk", "randomk")
 
 
-def build_compressor(name: str) -> tuple[Compressor, Memory]:
-    """Return the compressor called ``name`` and the error-feedback memory it uses."""
+def build_compressor(name: str, *, blocks_per_layer: int | None = None, block_fraction: float | None = None,
+                     block_metric: str = "l1", block_selection: str = "local",
+                     element_fraction: float = 0.01) -> tuple[Compressor, Memory]:
+    """Return the compressor called ``name`` and the error-feedback memory it uses.
+
+    Args:
+        name: one of ``COMPRESS_NAMES``.
+        blocks_per_layer, block_fraction, block_metric, block_selection: blocktopk's
+            settings (see :class:`BlockTopKCompressor`); the others ignore them.
+        element_fraction: share of elements that topk and randomk send.
+
+    Example::
+
+        >>> compressor, memory = build_compressor("blocktopk", block_fraction=0.01)
+    """
     if name == "none":
         return IdentityCompressor(), NoMemory()
     if name == "fp16":
         return FP16Compressor(), ResidualMemory()
+    if name == "blocktopk":
+        return BlockTopKCompressor(blocks_per_layer, block_fraction, block_metric, block_selection), ResidualMemory()
+    if name == "topk":
+        return TopKCompressor(element_fraction), ResidualMemory()
+    if name == "randomk":
+        return RandomKCompressor(element_fraction), ResidualMemory()
     raise UsageError(f"unknown compressor {name!r}; choose one of: {', '.join(COMPRESS_NAMES)}")
 
 
-__all__ = ["COMPRESS_NAMES", "Compressor", "Memory", "NoMemory", "ResidualMemory",
-           "IdentityCompressor", "FP16Compressor", "build_compressor"]
+__all__ = ["COMPRESS_NAMES", "METRICS", "SELECTIONS", "BlockLayout", "BlockTopKCompressor", "CodecError",
+           "Compressor", "FP16Compressor", "IdentityCompressor", "LayerInfo", "Memory", "NoMemory",
+           "RandomKCompressor", "ResidualMemory", "TopKCompressor", "build_compressor"]

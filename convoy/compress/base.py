@@ -2,11 +2,39 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
 Payload = list[torch.Tensor]
+
+
+def _no_peers(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What a compressor may know about a flat gradient besides its values.
+
+    Args:
+        shapes: the shapes of the parameters concatenated in the flat gradient,
+            in order (block-sparse compressors cut blocks along them).
+        agree: sums a small tensor over every rank of the exchange, in place,
+            and returns it; lets a compressor choose the same selection on
+            every rank (global block selection). The default is a world of one.
+        step: the training step being exchanged, the same on every rank
+            (seeds random selections so they agree across ranks and resumes).
+
+    Example::
+
+        >>> info = LayerInfo(shapes=(torch.Size([6, 1, 5, 5]), torch.Size([6])))
+    """
+
+    shapes: tuple[torch.Size, ...] = ()
+    agree: Callable[[torch.Tensor], torch.Tensor] = field(default=_no_peers, compare=False)
+    step: int | None = None
 
 
 class Compressor(ABC):
@@ -20,12 +48,26 @@ class Compressor(ABC):
     summable: bool = True
 
     @abstractmethod
-    def compress(self, tensor: torch.Tensor, name: str) -> tuple[Payload, Any]:
-        """Return the payload for ``tensor`` and the context decompress needs."""
+    def compress(self, tensor: torch.Tensor, name: str,
+                 info: LayerInfo | None = None) -> tuple[Payload, Any]:
+        """Return the payload for ``tensor`` and the context decompress needs.
+
+        ``info`` carries what the sync strategy knows of the layer (parameter
+        shapes, a way to agree with the peers, the step); compressors that do
+        not need it ignore it.
+        """
 
     @abstractmethod
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         """Rebuild a dense tensor from ``payload``."""
+
+    def max_payload_bytes(self, ctx: Any) -> int | None:
+        """An upper bound on the payload's bytes that every rank computes alike, or None.
+
+        A non-summable compressor that knows one lets a sync strategy gather
+        payloads padded to it in one collective, without first exchanging sizes.
+        """
+        return None
 
 
 class Memory(ABC):

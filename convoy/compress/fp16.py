@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from convoy.compress.base import Compressor, Payload
+from convoy.compress.base import Compressor, LayerInfo, Payload
 
 
 class FP16Compressor(Compressor):
@@ -13,7 +13,8 @@ class FP16Compressor(Compressor):
     # below 65504, and summing in the wire format is what makes it all-reducible.
     summable = True
 
-    def compress(self, tensor: torch.Tensor, name: str) -> tuple[Payload, Any]:
+    def compress(self, tensor: torch.Tensor, name: str,
+                 info: LayerInfo | None = None) -> tuple[Payload, Any]:
         return [tensor.to(torch.float16)], tensor.dtype
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:

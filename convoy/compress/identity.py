@@ -5,13 +5,14 @@ from typing import Any
 
 import torch
 
-from convoy.compress.base import Compressor, Payload
+from convoy.compress.base import Compressor, LayerInfo, Payload
 
 
 class IdentityCompressor(Compressor):
     summable = True
 
-    def compress(self, tensor: torch.Tensor, name: str) -> tuple[Payload, Any]:
+    def compress(self, tensor: torch.Tensor, name: str,
+                 info: LayerInfo | None = None) -> tuple[Payload, Any]:
         return [tensor], None
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:

@@ -1,0 +1,54 @@
+"""Element-wise top-k (DGC-style sparsification): the k largest magnitudes and their indices."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from convoy.compress.base import Compressor, LayerInfo, Payload
+
+
+def kept_count(numel: int, fraction: float) -> int:
+    """Elements a fraction keeps of ``numel``: rounded, at least one (none of nothing)."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    return min(numel, max(1, round(fraction * numel)))
+
+
+class TopKCompressor(Compressor):
+    """Send the ``fraction`` of a layer's elements with the largest magnitude.
+
+    The payload is the values and their int32 indices; ranks choose different
+    indices, so payloads are gathered, not summed. Pair it with
+    :class:`ResidualMemory` for error feedback.
+
+    Args:
+        fraction: share of each layer's elements sent, in (0, 1].
+
+    Example::
+
+        >>> c = TopKCompressor(0.01)
+        >>> sparse = c.decompress(*c.compress(grad, "3"))
+    """
+
+    summable = False
+
+    def __init__(self, fraction: float = 0.01):
+        kept_count(1, fraction)
+        self.fraction = fraction
+
+    def compress(self, tensor: torch.Tensor, name: str,
+                 info: LayerInfo | None = None) -> tuple[Payload, Any]:
+        flat = tensor.reshape(-1)
+        k = kept_count(flat.numel(), self.fraction)
+        indices = flat.abs().topk(k, sorted=False).indices
+        return [flat[indices], indices.to(torch.int32)], (flat.numel(), flat.dtype)
+
+    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        values, indices = payload
+        numel, dtype = ctx
+        return torch.zeros(numel, dtype=dtype).index_put_((indices.long(),), values)
+
+    def max_payload_bytes(self, ctx: Any) -> int | None:
+        numel, dtype = ctx
+        return kept_count(numel, self.fraction) * (dtype.itemsize + 4)  # values and int32 indices

@@ -1,0 +1,107 @@
+"""The run-length codec: round trips over random layouts, and corrupt payloads rejected."""
+from __future__ import annotations
+
+import struct
+import zlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from convoy.compress import BlockLayout
+from convoy.compress.rle import CodecError, decode, encode, max_encoded_bytes
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+shapes_st = st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple), min_size=0, max_size=4)
+
+
+@st.composite
+def sparse_layers(draw):
+    """A layout, a gradient, and kept blocks per segment at a drawn density (0, random, or 1)."""
+    layout = BlockLayout(draw(shapes_st))
+    dtype = draw(st.sampled_from(DTYPES))
+    flat = torch.randn(layout.numel, generator=torch.Generator().manual_seed(draw(st.integers(0, 99)))).to(dtype)
+    density = draw(st.sampled_from(["none", "random", "all", "one"]))
+    kept = []
+    for segment in layout.segments:
+        if density == "none" or segment.blocks == 0:
+            chosen = []
+        elif density == "all":
+            chosen = list(range(segment.blocks))
+        elif density == "one":
+            chosen = [draw(st.integers(0, segment.blocks - 1))]
+        else:
+            chosen = sorted(draw(st.sets(st.integers(0, segment.blocks - 1))))
+        kept.append(torch.tensor(chosen, dtype=torch.int64))
+    return layout, flat, kept
+
+
+def _expected(layout, flat, kept):
+    return layout.scatter(layout.gather(flat, kept), kept)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sparse_layers())
+def test_round_trip(case):
+    layout, flat, kept = case
+    payload = encode(flat, layout, kept)
+    assert payload.numel() <= max_encoded_bytes(layout, [k.numel() for k in kept], flat.dtype)
+    decoded = decode(payload, layout.shapes)
+    assert decoded.dtype == flat.dtype
+    assert torch.equal(decoded, _expected(layout, flat, kept))
+
+
+def test_named_cases_empty_all_zero_all_kept_one_block():
+    empty = BlockLayout([])
+    assert decode(encode(torch.zeros(0), empty, []), ()).numel() == 0
+    layout = BlockLayout([(4, 3), (4,)])
+    flat = torch.arange(1.0, 17.0)
+    none = [torch.zeros(0, dtype=torch.int64)] * 2
+    assert torch.equal(decode(encode(flat, layout, none)), torch.zeros(16))
+    every = [torch.arange(4), torch.arange(4)]
+    assert torch.equal(decode(encode(flat, layout, every)), flat)
+    one = decode(encode(flat, layout, [torch.tensor([2]), torch.tensor([0])]))
+    assert torch.nonzero(one).flatten().tolist() == [6, 7, 8, 12]
+    # Kept blocks cost their values plus 8 bytes per run: runs, not indices, are coded.
+    assert encode(flat, layout, every).numel() == encode(flat, layout, none).numel() + 16 * 4 + 2 * 8
+
+
+@settings(max_examples=100, deadline=None)
+@given(sparse_layers(), st.data())
+def test_truncated_and_bit_flipped_payloads_are_rejected(case, data):
+    layout, flat, kept = case
+    payload = encode(flat, layout, kept)
+    cut = data.draw(st.integers(0, payload.numel() - 1))
+    with pytest.raises(CodecError):
+        decode(payload[:cut].clone(), layout.shapes)
+    flipped = payload.clone()
+    position = data.draw(st.integers(0, payload.numel() - 1))
+    flipped[position] ^= 1 << data.draw(st.integers(0, 7))
+    with pytest.raises(CodecError):
+        decode(flipped, layout.shapes)
+
+
+def _resealed(body: bytes) -> torch.Tensor:
+    """A payload with a valid checksum over ``body``: corruption the checksum cannot see."""
+    return torch.frombuffer(bytearray(body + struct.pack("<I", zlib.crc32(body))), dtype=torch.uint8)
+
+
+def test_well_sealed_but_inconsistent_payloads_are_rejected():
+    layout = BlockLayout([(3, 2)])
+    body = bytes(encode(torch.arange(6.0), layout, [torch.tensor([1])]).numpy())[:-4]
+    with pytest.raises(CodecError, match="version 2"):
+        decode(_resealed(body[:4] + b"\x02" + body[5:]))
+    with pytest.raises(CodecError, match="magic"):
+        decode(_resealed(b"XXXX" + body[4:]))
+    with pytest.raises(CodecError, match="dtype code"):
+        decode(_resealed(body[:5] + b"\x09" + body[6:]))
+    with pytest.raises(CodecError, match="value bytes"):
+        decode(_resealed(body[:-4]))                        # one value short
+    runs_at = 4 + 1 + 1 + 2 + 1 + 2 * 4 + 4                 # header, ndim, shape, run count
+    with pytest.raises(CodecError, match="runs cover"):
+        decode(_resealed(body[:runs_at] + struct.pack("<II", 3, 1) + body[runs_at + 8:]))
+    with pytest.raises(CodecError, match="expected"):
+        decode(encode(torch.arange(6.0), layout, [torch.tensor([1])]), [(2, 3)])
+    with pytest.raises(CodecError, match="uint8"):
+        decode(torch.zeros(4))
