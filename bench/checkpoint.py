@@ -1,0 +1,204 @@
+"""Checkpointing every step: convoy's layer-wise pipelined checkpoints against torch.save and DCP async_save.
+
+    python bench/checkpoint.py [--models resnet18 vgg_fc] [--steps 8] [--rounds 2] [--batch 16] [--dir /tmp]
+
+Two gloo workers on loopback, one torch thread each, SGD with momentum, the
+state checkpointed after every step by:
+
+- none: no checkpoint (the baseline step time);
+- convoy: the engine listener: each layer staged when updated, persisted by a
+  background thread into the mmap'd file (rank 0 writes the model, every rank its state);
+- torch_save: rank 0 calls torch.save of the model and optimizer state after
+  each step (synchronous, after engine.synchronize());
+- dcp_async: torch.distributed.checkpoint.async_save of the same tensors after
+  each step (one save in flight, its own process group).
+
+Reported per mode: median step time (modes run round-robin, ``--rounds`` times), overhead against none, the stall on the
+training path per checkpoint (convoy: time in the listener on the auxiliary
+thread; torch.save: the call; DCP: the call plus waiting for the previous
+save), MB written per second, and recovery time (convoy: open, verify every
+checksum, copy into a model; torch: torch.load plus load_state_dict). Writes
+bench/results/checkpoint.{json,md,png}.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import RESULTS, save, spawn  # noqa: E402
+from bench.engine_vs_ddp import _batch, _model, _timed  # noqa: E402
+from convoy.checkpoint import CheckpointSettings, start_checkpointing  # noqa: E402
+from convoy.checkpoint.fsinfo import fs_info  # noqa: E402
+from convoy.checkpoint.recovery import restore_model, scan, valid_steps  # noqa: E402
+from convoy.checkpoint.store import Store  # noqa: E402
+from convoy.engine import Engine  # noqa: E402
+from convoy.sync import AllReduce  # noqa: E402
+
+MODES = ("none", "convoy", "torch_save", "dcp_async")
+HYPER = {"lr": 0.01, "momentum": 0.9}
+
+
+def _flat_state(model, engine) -> dict[str, torch.Tensor]:
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for layer, opt in zip(engine.layers, engine.optimizers):
+        for i, p in enumerate(layer.params):
+            state[f"optim.{layer.name}.{i}"] = opt.state[p]["momentum_buffer"]
+    return state
+
+
+def _run_mode(rank: int, mode: str, name: str, batch: int, steps: int, root: Path) -> dict:
+    x, y = _batch(rank, batch, 3)
+    model = _model(name, 3)
+    engine = Engine(model, torch.optim.SGD, AllReduce(dist.new_group()), **HYPER)
+    directory = root / mode
+    session, stalls, pending = None, [], [None]
+    if mode == "convoy":
+        session = start_checkpointing(CheckpointSettings(str(directory), resume=False), model, engine,
+                                      torch.optim.SGD, HYPER, total_steps=10**9, steps_per_epoch=10**9)
+    dcp_group = dist.new_group() if mode == "dcp_async" else None
+
+    def step() -> None:
+        engine.backward(F.cross_entropy(model(x), y))
+        if mode in ("torch_save", "dcp_async"):
+            engine.synchronize()
+            start = time.perf_counter()
+            if mode == "torch_save" and rank == 0:
+                directory.mkdir(parents=True, exist_ok=True)
+                torch.save({"model": model.state_dict(), "optimizers": engine.optimizer_state()},
+                           directory / "state.pt")
+            elif mode == "dcp_async":
+                import torch.distributed.checkpoint as dcp
+                if pending[0] is not None:
+                    pending[0].result()
+                pending[0] = dcp.async_save(_flat_state(model, engine), checkpoint_id=str(directory / f"s{engine.step}"),
+                                            process_group=dcp_group)
+            stalls.append(time.perf_counter() - start)
+
+    def finish() -> None:
+        engine.synchronize()
+        if session is not None:
+            session.listener.flush()
+
+    times = _timed(step, finish, steps)
+    if pending[0] is not None:
+        pending[0].result()
+    engine.close()
+    out = {"times": times, "stall_s": statistics.mean(stalls) if stalls else 0.0}
+    if session is not None:
+        stats = session.listener.stats
+        session.listener.close()
+        out["stall_s"] = stats["stall_s"] / max(stats["commits"] or steps, 1)
+        out["bytes_per_step"] = stats["bytes_written"] / max(stats["commits"], 1)
+        if rank == 0:
+            out["recovery_s"] = _best_of(3, lambda: _convoy_recovery(directory, model))
+    elif mode == "torch_save" and rank == 0:
+        out["bytes_per_step"] = (directory / "state.pt").stat().st_size
+        out["recovery_s"] = _best_of(3, lambda: _torch_recovery(directory / "state.pt", model))
+    elif mode == "dcp_async":
+        out["bytes_per_step"] = sum(f.stat().st_size for f in (directory / f"s{engine.step}").glob("*"))
+    return out
+
+
+def _best_of(repeats: int, action) -> float:
+    """The fastest of ``repeats`` timed calls (the page cache is warm for both methods)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        action()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _convoy_recovery(directory: Path, model) -> None:
+    store = Store.open(directory / "model-rank0.ckpt")
+    newest = valid_steps(scan(store, verify_all=False))   # as a resume does
+    restore_model(store, newest[max(newest)].area, model)
+    store.close()
+
+
+def _torch_recovery(path: Path, model) -> None:
+    model.load_state_dict(torch.load(path)["model"])
+
+
+def worker(rank: int, world: int, name: str, batch: int, steps: int, root: str, rounds: int) -> dict:
+    """Every mode ``rounds`` times, round-robin, so load from other jobs spreads over all of them."""
+    results: dict[str, dict] = {}
+    for _ in range(rounds):
+        for mode in MODES:
+            dist.barrier()
+            if rank == 0:   # a fresh directory each round: no run reads another's files
+                shutil.rmtree(Path(root) / mode, ignore_errors=True)
+            dist.barrier()
+            out = _run_mode(rank, mode, name, batch, steps, Path(root))
+            merged = results.setdefault(mode, {"times": [], "stall_s": [], "recovery_s": []})
+            merged["times"] += out["times"]
+            merged["stall_s"].append(out["stall_s"])
+            merged["bytes_per_step"] = out.get("bytes_per_step", 0)
+            if "recovery_s" in out:
+                merged["recovery_s"].append(out["recovery_s"])
+    return results
+
+
+def _plot(timelines: dict[str, dict[str, list[float]]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(timelines), figsize=(6 * len(timelines), 4), squeeze=False)
+    for ax, (model, modes) in zip(axes[0], timelines.items()):
+        for mode, times in modes.items():
+            ax.plot(range(1, len(times) + 1), times, marker="o", label=mode)
+        ax.set_title(f"{model}, 2 workers: step time, checkpoint every step")
+        ax.set_xlabel("step")
+        ax.set_ylabel("seconds")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["resnet18", "vgg_fc"])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2, help="times each mode runs, round-robin")
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoints are written")
+    args = parser.parse_args()
+    rows, timelines = [], {}
+    for name in args.models:
+        root = Path(tempfile.mkdtemp(prefix="convoy-bench-ckpt-", dir=args.dir))
+        try:
+            results = spawn(worker, 2, name, args.batch, args.steps, str(root), args.rounds)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        base = statistics.median(t for r in results for t in r["none"]["times"])
+        timelines[name] = {mode: results[0][mode]["times"] for mode in MODES}
+        for mode in MODES:
+            step_s = statistics.median(t for r in results for t in r[mode]["times"])
+            per_step = results[0][mode].get("bytes_per_step", 0)
+            recovery = results[0][mode]["recovery_s"]
+            rows.append({"model": name, "mode": mode, "median_step_s": step_s,
+                         "overhead_%": 100 * (step_s / base - 1),
+                         "stall_ms": 1000 * statistics.median(results[0][mode]["stall_s"]),
+                         "MB_per_ckpt": per_step / 1e6, "MB_written_per_s": per_step / 1e6 / step_s,
+                         "recovery_s": min(recovery) if recovery else ""})
+    settings = {"models": args.models, "steps": args.steps, "rounds": args.rounds, "batch_per_worker": args.batch, "world": 2,
+                "optimizer": "sgd momentum", "checkpoint_fs": fs_info(args.dir).describe(),
+                "note": "2-core machine shared with other jobs: figures are noisy"}
+    save("checkpoint", settings, rows, ["model", "mode", "median_step_s", "overhead_%", "stall_ms", "MB_per_ckpt",
+                                        "MB_written_per_s", "recovery_s"])
+    _plot(timelines, RESULTS / "checkpoint.png")
+
+
+if __name__ == "__main__":
+    main()

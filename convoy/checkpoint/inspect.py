@@ -1,0 +1,56 @@
+"""A readable description of a checkpoint directory: files, both areas, validity, file system.
+
+Example::
+
+    >>> print(describe_directory("ckpt"))
+    ckpt: ext4 at / (no DAX: pwrite + fdatasync)
+    model-rank0.ckpt  model, 5 layers, 2 x 0.49 MB = 1.0 MB
+      area A: step 12 (epoch 0, batch 12), generation 12, valid
+      area B: step 11 (epoch 0, batch 11), generation 11, valid
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from convoy.checkpoint.format import FormatError
+from convoy.checkpoint.fsinfo import fs_info
+from convoy.checkpoint.recovery import scan
+from convoy.checkpoint.store import AREAS, Store
+from convoy.errors import UsageError
+
+
+def describe_directory(directory: str | Path) -> str:
+    """Every checkpoint file in ``directory`` with both areas checked (records and checksums).
+
+    Raises:
+        UsageError: the directory does not exist or holds no checkpoint file.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UsageError(f"checkpoint directory {directory} does not exist")
+    files = sorted(directory.glob("model-rank*.ckpt")) + sorted(directory.glob("state-rank*.ckpt"))
+    if not files:
+        raise UsageError(f"{directory} holds no convoy checkpoint files")
+    lines = [f"{directory}: {fs_info(directory).describe()}"]
+    for path in files:
+        lines += _describe_file(path)
+    return "\n".join(lines)
+
+
+def _describe_file(path: Path) -> list[str]:
+    try:
+        store = Store.open(path)
+    except (OSError, FormatError) as exc:
+        return [f"{path.name}  unreadable: {exc}"]
+    try:
+        layout = store.layout
+        area_mb = layout.area_size() / 1e6
+        what = f"{len(layout.slots)} layers" if layout.kind == "model" else "per-rank state"
+        short = "" if store.size >= store.expected_size else \
+            f", TRUNCATED to {store.size} of {store.expected_size} bytes"
+        lines = [f"{path.name}  {layout.kind}, {what}, {AREAS} x {area_mb:.2f} MB = "
+                 f"{store.expected_size / 1e6:.2f} MB{short}"]
+        lines += ["  " + report.describe() for report in scan(store)]
+        return lines
+    finally:
+        store.close()

@@ -1,0 +1,154 @@
+"""Recovery: find the newest area whose record and checksums are intact, and restore from it.
+
+Both areas of a file are checked: the commit record's own checksum, the
+model signature, then every layer's CRC-32. An area being rewritten has no
+record (it is erased before its first layer is written), a torn record or a
+torn layer fails its checksum; either way the other area is used and the
+reason is reported.
+
+Example::
+
+    >>> reports = scan(Store.open(path))
+    >>> [r.describe() for r in reports]
+    ['area A: step 12, generation 12, valid', 'area B: damaged (layer 'fc1' checksum mismatch)']
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from convoy.checkpoint.format import CommitRecord, FormatError
+from convoy.checkpoint.snapshot import model_layers, optimizer_state, restore_parameters, restore_rank_state
+from convoy.checkpoint.store import AREAS, Store, area_name
+
+
+@dataclass
+class AreaReport:
+    """One area of a file: its record when valid, else what is wrong with it."""
+
+    area: int
+    record: CommitRecord | None
+    problem: str | None = None
+    verified: bool = True   # False: the record is intact, the layers' checksums not yet checked
+
+    @property
+    def valid(self) -> bool:
+        return self.record is not None
+
+    @property
+    def empty(self) -> bool:
+        """Never committed, or erased to be rewritten: no trace of a checkpoint, not damage."""
+        return self.record is None and (self.problem or "").startswith("empty")
+
+    def describe(self) -> str:
+        if self.record is None:
+            return f"area {area_name(self.area)}: {self.problem}"
+        r = self.record
+        return f"area {area_name(self.area)}: step {r.step} (epoch {r.epoch}, batch {r.position}), " \
+               f"generation {r.generation}, valid"
+
+
+def scan(store: Store, signature: str | None = None, verify_all: bool = True) -> list[AreaReport]:
+    """Check the areas of ``store``: records, signature, every slot's checksum.
+
+    Args:
+        signature: the model signature the records must carry (None: any).
+        verify_all: check the layers of every area; False checks them only in the
+            newest area with an intact record and, if that one is damaged, the next
+            (a resume reads one area: recovery then costs one pass over it).
+    """
+    reports, found = [], False
+    for area in sorted(range(AREAS), key=lambda a: -_generation(store, a)):
+        try:
+            record = store.record(area)
+            if signature is not None and record.extra.get("signature") != signature:
+                raise FormatError("commit record belongs to another model signature")
+            if verify_all or not found:
+                store.verify(area)
+            reports.append(AreaReport(area, record, verified=verify_all or not found))
+            found = True
+        except FormatError as exc:
+            reports.append(AreaReport(area, None, _problem(exc)))
+    return sorted(reports, key=lambda r: r.area)
+
+
+def ensure_verified(store: Store, report: AreaReport) -> None:
+    """Check the layers of an area that ``scan`` left unchecked; FormatError when damaged."""
+    if not report.verified:
+        store.verify(report.area)
+        report.verified = True
+
+
+def _generation(store: Store, area: int) -> int:
+    try:
+        return store.record(area).generation
+    except FormatError:
+        return -1
+
+
+def _problem(exc: FormatError) -> str:
+    if str(exc).startswith("no commit record"):
+        return "empty (never committed, or being rewritten)"
+    return f"damaged ({exc})"
+
+
+def valid_steps(reports: list[AreaReport]) -> dict[int, AreaReport]:
+    """Valid areas by the step they hold (the newer generation wins a tie)."""
+    out: dict[int, AreaReport] = {}
+    for report in sorted((r for r in reports if r.valid), key=lambda r: r.record.generation):
+        out[report.record.step] = report
+    return out
+
+
+def fallback_notes(path: str, reports: list[AreaReport], chosen: AreaReport) -> list[str]:
+    """Sentences for the user when an area other than the newest-looking one is used."""
+    notes = []
+    for report in reports:
+        if report is chosen:
+            continue
+        if not report.valid and not report.empty:
+            notes.append(f"{path}: {report.describe()}; using area {area_name(chosen.area)} "
+                         f"(step {chosen.record.step})")
+        elif report.valid and report.record.step > chosen.record.step:
+            notes.append(f"{path}: area {area_name(report.area)} (step {report.record.step}) is not "
+                         f"committed by every rank; using step {chosen.record.step}")
+    return notes
+
+
+def restore_model(store: Store, area: int, model: nn.Module) -> dict[str, dict]:
+    """Copy the parameters of ``area`` into ``model``; return each layer's optimizer state by name."""
+    record = store.record(area)
+    meta = record.extra.get("optimizer_meta", {})
+    slots = {s.name: i for i, s in enumerate(store.layout.slots)}
+    states = {}
+    for name, module, _ in model_layers(model):
+        tensors = store.tensors(area, slots[name])
+        restore_parameters(module, tensors)
+        states[name] = optimizer_state(tensors, meta.get(name, {}))
+        del tensors   # release the views of the mapping
+    return states
+
+
+def restore_rank(store: Store, area: int, model: nn.Module, sync: object) -> None:
+    """Put this rank's buffers, residuals and RNG state back from ``area``."""
+    tensors = store.tensors(area, 0)
+    restore_rank_state(model, sync, tensors)
+    del tensors
+
+
+def state_dict_of(store: Store, area: int) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """``(model state_dict of the parameters, optimizer state by layer)`` read from ``area`` (copies)."""
+    record = store.record(area)
+    meta = record.extra.get("optimizer_meta", {})
+    params, states = {}, {}
+    for index, slot in enumerate(store.layout.slots):
+        tensors = store.tensors(area, index)
+        prefix = "" if slot.name == "<root>" else slot.name + "."
+        for key, tensor in tensors.items():
+            if key.startswith("param."):
+                params[prefix + key[len("param."):]] = tensor.clone()
+        states[slot.name] = optimizer_state(tensors, meta.get(slot.name, {}))
+        del tensors
+    return params, states

@@ -1,0 +1,219 @@
+"""Checkpointing for one training job: check the directory, resume if asked, attach the listener.
+
+``start_checkpointing`` runs on every rank before training. Each rank scans
+the model file of its node's writer and its own rank file; the ranks agree on
+the newest step valid in all of them (one small all-gather), restore it, and
+the writer reopens its file to write the next generation into the other area.
+
+Example::
+
+    >>> session = start_checkpointing(CheckpointSettings("ckpt", every=1), model, engine,
+    ...                               torch.optim.SGD, {"lr": 0.05}, total_steps=100, steps_per_epoch=50)
+    >>> session.start.step        # 0 for a fresh run, else the step resumed from
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from convoy.checkpoint.format import FormatError, Layout
+from convoy.checkpoint.listener import CheckpointListener, model_file, rank_file
+from convoy.checkpoint.recovery import (AreaReport, ensure_verified, fallback_notes, restore_model, restore_rank,
+                                       scan, valid_steps)
+from convoy.checkpoint.snapshot import model_layout
+from convoy.checkpoint.store import AREAS, Store
+from convoy.errors import UsageError
+
+
+@dataclass
+class CheckpointSettings:
+    """Where and how often to checkpoint; ``resume`` None means "if the directory holds a checkpoint"."""
+
+    directory: str
+    every: int = 1
+    resume: bool | None = None
+    timeout_s: float = 300.0
+
+
+@dataclass
+class ResumePoint:
+    """Where training goes on: steps done, the epoch and the batch within it."""
+
+    step: int = 0
+    epoch: int = 0
+    position: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CheckpointSession:
+    listener: CheckpointListener
+    start: ResumePoint
+
+
+def check_directory(directory: str) -> Path:
+    """Create ``directory`` if needed; UsageError when it is a file or not writable."""
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--checkpoint-dir {directory} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--checkpoint-dir {directory} cannot be created: {exc.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"--checkpoint-dir {directory} is not writable")
+    return path
+
+
+def _topology() -> tuple[int, int, int, int]:
+    """(rank, world size, this node's writer rank, ranks on this node)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    # Without torchrun's LOCAL_* variables (a hand-made group) every rank is on this node.
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return rank, world, rank - local_rank, local_world
+
+
+def _open_reports(path: Path, signature: str | None, layout: Layout | None) -> list[AreaReport] | None:
+    """Scan ``path``; None when it does not exist. A different model's file is a UsageError."""
+    if not path.exists():
+        return None
+    try:
+        store = Store.open(path)
+    except FormatError as exc:
+        raise UsageError(f"{path} is not a usable checkpoint: {exc}; nothing was overwritten") from None
+    try:
+        if layout is not None:
+            mismatch = layout.first_mismatch(store.layout)
+            if mismatch:
+                raise UsageError(f"{path} holds a checkpoint of a different model: {mismatch} "
+                                 "(use another --checkpoint-dir, or --no-resume to overwrite it)")
+        return scan(store, signature, verify_all=False)
+    finally:
+        store.close()
+
+
+def _gather(value: Any, world: int) -> list[Any]:
+    if world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: Any, optimizer_class: type,
+                        optimizer_kwargs: dict[str, Any], total_steps: int, steps_per_epoch: int) -> CheckpointSession:
+    """Resume from ``settings.directory`` when it holds a checkpoint (or as ``resume`` says) and attach the listener.
+
+    Raises:
+        UsageError: the directory is a file, not writable, on a full disk; it
+            holds another model's checkpoint; ``resume`` is True and there is
+            nothing to resume; or every area is damaged (nothing is overwritten).
+    """
+    directory = check_directory(settings.directory)
+    rank, world, writer, local_world = _topology()
+    layout = model_layout(model, optimizer_class, optimizer_kwargs)
+    mpath, rpath = model_file(directory, writer), rank_file(directory, rank)
+    model_reports = rank_reports = None
+    if settings.resume is not False:
+        model_reports = _open_reports(mpath, layout.signature(), layout)
+        rank_reports = _open_reports(rpath, None, None)
+    steps = sorted(set(valid_steps(model_reports or [])) & set(valid_steps(rank_reports or [])))
+    # A file whose areas are all empty (killed before its first commit) is no checkpoint.
+    found = any(not r.empty for r in model_reports or [])
+    everyone = _gather((found, steps), world)
+    start = ResumePoint()
+    if any(found for found, _ in everyone):
+        common = set.intersection(*(set(s) for _, s in everyone))
+        if not common:
+            described = "; ".join(r.describe() for r in (model_reports or []) + (rank_reports or []))
+            raise UsageError(f"no usable checkpoint in {directory}: {described or 'files missing'}; nothing "
+                             "was overwritten (move the directory away, or pass --no-resume to start over)")
+        start = _restore(max(common), model_reports, rank_reports, mpath, rpath, model, engine)
+    elif settings.resume:
+        raise UsageError(f"--resume: {directory} holds no checkpoint")
+    model_store, rank_store, model_gen, rank_gen = _open_for_writing(
+        start, layout, mpath, rpath, model_reports, rank_reports, rank == writer, directory)
+    if rank == 0:
+        for note in start.notes:
+            print(f"convoy: checkpoint: {note}", file=sys.stderr, flush=True)
+    listener = CheckpointListener(directory, model, engine, every=settings.every, last_step=total_steps - 1,
+                                  steps_per_epoch=steps_per_epoch, rank=rank, writer_rank=writer,
+                                  local_ranks=list(range(writer, writer + local_world)), model_store=model_store,
+                                  model_generation=model_gen, rank_generation=rank_gen, rank_store=rank_store,
+                                  peer_timeout_s=settings.timeout_s)
+    engine.listeners.append(listener)
+    return CheckpointSession(listener, start)
+
+
+def _restore(step: int, model_reports: list[AreaReport], rank_reports: list[AreaReport], mpath: Path,
+             rpath: Path, model: nn.Module, engine: Any) -> ResumePoint:
+    chosen_model, chosen_rank = valid_steps(model_reports)[step], valid_steps(rank_reports)[step]
+    store = Store.open(mpath)
+    try:
+        _verified(store, chosen_model)
+        engine.load_optimizer_state(restore_model(store, chosen_model.area, model))
+    finally:
+        store.close()
+    store = Store.open(rpath)
+    try:
+        _verified(store, chosen_rank)
+        restore_rank(store, chosen_rank.area, model, engine.sync)
+    finally:
+        store.close()
+    engine.set_step(step)
+    record = chosen_model.record
+    notes = fallback_notes(str(mpath), model_reports, chosen_model) + \
+        fallback_notes(str(rpath), rank_reports, chosen_rank)
+    notes.append(f"resumed from {mpath.parent} at step {step} (epoch {record.epoch}, batch {record.position})")
+    return ResumePoint(step, record.epoch, record.position, notes)
+
+
+def _verified(store: Store, report: AreaReport) -> None:
+    try:
+        ensure_verified(store, report)
+    except FormatError as exc:
+        raise UsageError(f"{store.path}: step {report.record.step}, the newest step every rank committed, "
+                         f"is damaged ({exc}); nothing was overwritten") from None
+
+
+def _open_for_writing(start: ResumePoint, layout: Layout, mpath: Path, rpath: Path,
+                      model_reports: list[AreaReport] | None, rank_reports: list[AreaReport] | None,
+                      is_writer: bool, directory: Path) -> tuple[Store | None, Store | None, int, int]:
+    """The stores to write the next generations into, newer areas than the resumed step erased."""
+    if not start.step:
+        rpath.unlink(missing_ok=True)   # a stale rank file must never look committed
+        _check_space(directory, layout if is_writer else None)
+        try:
+            return (Store.create(mpath, layout) if is_writer else None), None, 0, 0
+        except OSError as exc:
+            raise UsageError(f"cannot create checkpoint {mpath}: {exc.strerror}") from None
+    model_store = _reopen(mpath, model_reports, start.step) if is_writer else None
+    rank_store = _reopen(rpath, rank_reports, start.step)
+    return (model_store, rank_store, valid_steps(model_reports)[start.step].record.generation,
+            valid_steps(rank_reports)[start.step].record.generation)
+
+
+def _reopen(path: Path, reports: list[AreaReport], step: int) -> Store:
+    store = Store.open(path, writable=True)
+    for report in reports:
+        if report.valid and report.record.step > step:
+            store.invalidate(report.area)   # from before the crash, newer than what the ranks agreed on
+    return store
+
+
+def _check_space(directory: Path, layout: Layout | None) -> None:
+    """Fail before training when the disk cannot hold the files (the model file is also fallocated)."""
+    need = AREAS * layout.area_size() if layout is not None else 0
+    free = shutil.disk_usage(directory).free
+    if free < need:
+        raise UsageError(f"--checkpoint-dir {directory}: {free / 1e6:.1f} MB free, the checkpoint needs "
+                         f"{need / 1e6:.1f} MB")

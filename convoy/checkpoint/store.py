@@ -1,0 +1,226 @@
+"""A checkpoint file mapped into memory: two areas, slot writes, flushes and commit records.
+
+On a DAX file system writes go straight into the mapping (a memory copy to
+persistent memory) and are made durable with ``msync`` of just the pages
+written; elsewhere they are ``pwrite`` + ``fdatasync``. Reads are views of the mapping. The file is created at its full size up
+front (``posix_fallocate``) so a full disk is reported before training, not in
+the middle of a checkpoint.
+
+Example::
+
+    >>> store = Store.create(path, layout)
+    >>> store.invalidate(area=1)
+    >>> store.write_slot(1, 0, staged_bytes, generation=1)
+    >>> store.commit(1, CommitRecord(1, step=5, epoch=0, position=5, checksums=[crc]))
+"""
+from __future__ import annotations
+
+import mmap
+from concurrent.futures import ThreadPoolExecutor
+import os
+import warnings
+import zlib
+from pathlib import Path
+
+import torch
+
+from convoy.checkpoint import faults
+from convoy.checkpoint.fsinfo import fs_info
+from convoy.checkpoint.format import (PAGE, RECORD_BYTES, CommitRecord, FormatError, Layout, Slot,
+                                      align, dtype_of, pack_superblock, unpack_superblock)
+
+AREAS = 2
+AREA_NAMES = "AB"
+
+
+class Store:
+    """One checkpoint file. Use :meth:`create` or :meth:`open`, not the constructor."""
+
+    def __init__(self, path: Path, layout: Layout, header: int, fd: int, writable: bool):
+        self.path = path
+        self.layout = layout
+        self.header = header
+        self.writable = writable
+        self._fd = fd
+        self.size = os.fstat(fd).st_size
+        # On DAX the mapping is persistent memory: stores plus msync (a cache flush) persist.
+        # Elsewhere, stores into a shared file mapping page-fault on every page after each
+        # write-back; pwrite + fdatasync moves the same bytes without the faults.
+        self.dax = fs_info(path).dax
+        self._mm = mmap.mmap(fd, self.size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ) \
+            if self.size else None
+
+    @property
+    def expected_size(self) -> int:
+        return self.header + AREAS * self.layout.area_size()
+
+    # ---------------------------------------------------------------- opening
+    @classmethod
+    def create(cls, path: str | Path, layout: Layout) -> "Store":
+        """Make a new file (replacing any old one atomically) with both areas empty.
+
+        Raises:
+            OSError: the directory is not writable, or the disk has no room (ENOSPC).
+        """
+        path = Path(path)
+        superblock = pack_superblock(layout)
+        size = len(superblock) + AREAS * layout.area_size()
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, size)   # reserve every block now: ENOSPC here, not mid-run
+            os.pwrite(fd, superblock, 0)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        return cls.open(path, writable=True)
+
+    @classmethod
+    def open(cls, path: str | Path, writable: bool = False) -> "Store":
+        """Map an existing file; a writable open restores a truncated file to full size.
+
+        Raises:
+            FormatError: not a convoy checkpoint, or its header is damaged.
+        """
+        path = Path(path)
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        try:
+            head = os.pread(fd, PAGE, 0)
+            layout, header = unpack_superblock(head, lambda off, n: os.pread(fd, n, off))
+            expected = header + AREAS * layout.area_size()
+            if writable and os.fstat(fd).st_size < expected:
+                os.posix_fallocate(fd, 0, expected)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, layout, header, fd, writable)
+
+    def close(self) -> None:
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a caller still holds a tensor view; the mapping goes with it
+                pass
+            self._mm = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    # ---------------------------------------------------------------- writing
+    def _area_offset(self, area: int) -> int:
+        return self.header + area * self.layout.area_size()
+
+    def invalidate(self, area: int) -> None:
+        """Erase ``area``'s commit record (durably) before its slots are overwritten."""
+        offset = self._area_offset(area)
+        self._write(offset, b"\0" * 8)
+        self._sync(offset, 8)
+
+    def write_slot(self, area: int, index: int, data: memoryview, generation: int) -> None:
+        """Copy ``data`` (the slot's raw bytes) into ``area`` and flush it to the medium."""
+        slot = self.layout.slots[index]
+        if len(data) != slot.nbytes:
+            raise ValueError(f"slot {slot.name!r} takes {slot.nbytes} bytes, got {len(data)}")
+        start = self._area_offset(area) + slot.offset
+        half = len(data) // 2
+        self._write(start, data[:half])
+        faults.halfway("slot", generation, index)
+        self._write(start + half, data[half:])
+        self._sync(start, len(data))
+
+    def commit(self, area: int, record: CommitRecord) -> None:
+        """Write ``record`` into ``area`` and flush it: the area now holds a recoverable step."""
+        raw = record.pack()
+        start = self._area_offset(area)
+        half = len(raw) // 2
+        # The 8-byte magic goes last: a write cut short anywhere leaves no record, never a torn one.
+        self._write(start + half, raw[half:])
+        faults.halfway("record", record.generation)
+        self._write(start + 8, raw[8:half])
+        self._write(start, raw[:8])
+        self._sync(start, len(raw))
+
+    def _write(self, offset: int, data: bytes | memoryview) -> None:
+        if self.dax:
+            self._mm[offset:offset + len(data)] = data
+        else:
+            os.pwrite(self._fd, data, offset)
+
+    def _sync(self, offset: int, length: int) -> None:
+        """Make ``length`` bytes at ``offset`` durable: msync of those pages, or fdatasync."""
+        if self.dax:
+            begin = offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+            self._mm.flush(begin, align(offset + length) - begin)
+        else:
+            os.fdatasync(self._fd)
+
+    # ---------------------------------------------------------------- reading
+    def record(self, area: int) -> CommitRecord:
+        """The commit record of ``area``; FormatError when there is none or it is damaged."""
+        start = self._area_offset(area)
+        if self._mm is None or start + RECORD_BYTES > len(self._mm):
+            raise FormatError("the file is truncated before this area's commit record")
+        return CommitRecord.unpack(memoryview(self._mm)[start:start + RECORD_BYTES])
+
+    def committed_steps(self) -> list[int]:
+        """Steps of the areas whose commit record is intact (slot checksums not checked)."""
+        steps = []
+        for area in range(AREAS):
+            try:
+                steps.append(self.record(area).step)
+            except FormatError:
+                pass
+        return steps
+
+    def slot_bytes(self, area: int, index: int) -> memoryview:
+        slot = self.layout.slots[index]
+        start = self._area_offset(area) + slot.offset
+        if self._mm is None or start + slot.nbytes > len(self._mm):
+            raise FormatError(f"the file is truncated inside layer {slot.name!r}")
+        return memoryview(self._mm)[start:start + slot.nbytes]
+
+    def verify(self, area: int) -> CommitRecord:
+        """The record of ``area`` after checking every slot's checksum; FormatError names the bad one."""
+        record = self.record(area)
+        if len(record.checksums) != len(self.layout.slots):
+            raise FormatError("commit record has the wrong number of checksums")
+        views = [self.slot_bytes(area, index) for index in range(len(record.checksums))]
+        # zlib releases the GIL on large buffers: the layers are checked in parallel.
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+            sums = list(pool.map(zlib.crc32, views))
+        for index, (got, expected) in enumerate(zip(sums, record.checksums)):
+            if got != expected:
+                raise FormatError(f"layer {self.layout.slots[index].name!r} checksum mismatch")
+        return record
+
+    def tensors(self, area: int, index: int) -> dict[str, torch.Tensor]:
+        """Views (no copy) of slot ``index``'s tensors in ``area``, by key; copy before the store closes."""
+        slot: Slot = self.layout.slots[index]
+        raw = self.slot_bytes(area, index)
+        out = {}
+        for t in slot.tensors:
+            dtype = dtype_of(t.dtype)
+            count = t.nbytes // torch.empty(0, dtype=dtype).element_size()
+            with warnings.catch_warnings():  # read-only mappings are fine: callers only copy out
+                warnings.simplefilter("ignore", UserWarning)
+                flat = torch.frombuffer(raw, dtype=dtype, count=count, offset=t.offset) if count else \
+                    torch.empty(0, dtype=dtype)
+            out[t.key] = flat.view(t.shape)
+        return out
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def area_name(area: int) -> str:
+    return AREA_NAMES[area]

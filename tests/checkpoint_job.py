@@ -1,0 +1,121 @@
+"""A small, deterministic training job for the checkpoint crash tests, and a fork server for it.
+
+LeNet on 128 fixed random images, world of one, batch 16 (8 steps an
+epoch), through the engine and the checkpoint listener, resuming by itself
+when its directory holds a checkpoint. ``reference_trace`` runs the same job
+in-process without checkpoints and records the state after every step.
+
+Starting Python and importing torch costs seconds; a crash test needs dozens
+of runs. ``python tests/checkpoint_job.py serve`` imports everything once and
+then, per line on stdin, forks a fresh training process:
+
+    run DIR STEPS KILL DELAY   ->  pid PID        (KILL: a faults kill point or "-")
+    reap PID                   ->  status STATUS  (os.waitpid's status)
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from convoy import AllReduce, Engine  # noqa: E402
+from convoy.checkpoint import CheckpointSettings, faults, start_checkpointing  # noqa: E402
+from convoy.models.lenet import lenet  # noqa: E402  (not convoy.data: it imports scikit-learn)
+
+BATCH, SAMPLES = 16, 128
+STEPS_PER_EPOCH = SAMPLES // BATCH
+HYPER = {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4}
+
+
+def _job():
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(SAMPLES, 1, 32, 32, generator=generator)
+    y = torch.randint(0, 10, (SAMPLES,), generator=generator)
+    torch.manual_seed(0)
+    model = lenet()
+    return model, Engine(model, torch.optim.SGD, AllReduce(), **HYPER), x, y
+
+
+def _batch(step: int) -> torch.Tensor:
+    """Sample indices of ``step``: a shuffled order per epoch, like GlobalBatchSampler."""
+    epoch, position = divmod(step, STEPS_PER_EPOCH)
+    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(1000 + epoch))
+    return order[position * BATCH:(position + 1) * BATCH]
+
+
+def train(model, engine, x, y, start_step: int, steps: int, after_step=None) -> None:
+    for step in range(start_step, steps):
+        index = _batch(step)
+        engine.backward(F.cross_entropy(model(x[index]), y[index]))
+        if after_step is not None:
+            after_step(step + 1)
+    engine.synchronize()
+
+
+def state_of(model, engine) -> dict[str, torch.Tensor]:
+    """Parameters and momentum buffers by name (what a checkpoint must reproduce)."""
+    out = {f"param:{k}": v.detach().clone() for k, v in model.named_parameters()}
+    for layer, opt in zip(engine.layers, engine.optimizers):
+        for i, p in enumerate(layer.params):
+            out[f"momentum:{layer.name}.{i}"] = opt.state[p]["momentum_buffer"].clone()
+    return out
+
+
+def reference_trace(steps: int) -> dict[int, dict[str, torch.Tensor]]:
+    """The state after each step count 1..steps of an uninterrupted run."""
+    model, engine, x, y = _job()
+    trace = {}
+
+    def record(done: int) -> None:
+        engine.synchronize()
+        trace[done] = state_of(model, engine)
+
+    train(model, engine, x, y, 0, steps, record)
+    engine.close()
+    return trace
+
+
+def main(directory: str, steps: int) -> int:
+    """Train to ``steps`` with checkpoints in ``directory`` (resuming from it); return the start step."""
+    model, engine, x, y = _job()
+    session = start_checkpointing(CheckpointSettings(directory), model, engine, torch.optim.SGD, HYPER,
+                                  total_steps=steps, steps_per_epoch=STEPS_PER_EPOCH)
+    train(model, engine, x, y, session.start.step, steps)
+    engine.close()
+    session.listener.close()
+    return session.start.step
+
+
+def serve() -> None:
+    # The first optimizer imports torch._dynamo (seconds): pay that once, before forking.
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "run":
+            directory, steps, kill, delay = args
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                try:
+                    devnull = os.open(os.devnull, os.O_WRONLY)
+                    os.dup2(devnull, 1)
+                    faults.configure("" if kill == "-" else kill, float(delay))
+                    main(directory, int(steps))
+                except BaseException as exc:  # reported through stderr and the exit status
+                    print(f"worker failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                    code = 1
+                os._exit(code)
+            print(f"pid {pid}", flush=True)
+        elif command == "reap":
+            _, status = os.waitpid(int(args[0]), 0)
+            print(f"status {status}", flush=True)
+
+
+if __name__ == "__main__":
+    serve() if sys.argv[1:] == ["serve"] else print(f"resumed from step {main(sys.argv[1], int(sys.argv[2]))}")
