@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
@@ -24,5 +25,13 @@ class ParallelLayout(ABC):
         """Run forward and backward on this rank's batch; return (loss, correct predictions)."""
 
     @abstractmethod
-    def predict(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits for ``x`` with the current parameters (call after ``engine.synchronize``)."""
+    def evaluate(self, test: torch.utils.data.Dataset, device: torch.device) -> tuple[float, float]:
+        """Test accuracy and mean loss with the current parameters; a collective over all ranks."""
+
+    @abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's ``state_dict`` on rank 0, ``None`` elsewhere; a collective."""
+
+    def step_metrics(self, step: int) -> dict[str, Any]:
+        """Layout-specific figures of ``step`` for the metrics file (none by default)."""
+        return {}

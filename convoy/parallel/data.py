@@ -4,10 +4,12 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from convoy.engine import Engine
 from convoy.parallel.base import ParallelLayout
+from convoy.train.scoring import average_buffers, score
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -41,6 +43,16 @@ class DataParallel(ParallelLayout):
         return loss.item(), int((logits.argmax(1) == y).sum())
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits for ``x`` with the current parameters (call after ``engine.synchronize``)."""
         self.model.eval()
         with torch.no_grad():
             return self.model(x)
+
+    def evaluate(self, test: torch.utils.data.Dataset, device: torch.device) -> tuple[float, float]:
+        self.engine.synchronize()
+        average_buffers(self.model)
+        return score(self.predict, test, device)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return self.model.state_dict() if rank == 0 else None

@@ -1,0 +1,72 @@
+"""Hybrid (conv data-parallel + FC data-parallel + link) against pure data parallelism, 4 processes.
+
+    python bench/hybrid.py [--models vgg_fc resnet18] [--steps 30]
+
+Each row is one `convoy train` run on loopback with the same global batch (48
+samples: 4 x 12 for data parallelism, 3 x 16 for hybrid 3+1, 2 x 24 for 2+2).
+Per worker and step it reports the bytes of the gradient rings (the engine's
+all-reduce payloads) and of the conv<->FC link, and the median step time, and
+writes bench/results/hybrid.{json,md}. Time to accuracy on a shaped cluster:
+bench/time_to_accuracy.py --strategies dense hybrid-3+1 hybrid-2+2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import save  # noqa: E402
+
+LAYOUTS = {
+    "data 4": ["--batch-size", "12"],
+    "hybrid 3+1": ["--batch-size", "16", "--parallel", "hybrid", "--conv-workers", "3", "--fc-workers", "1"],
+    "hybrid 2+2": ["--batch-size", "24", "--parallel", "hybrid", "--conv-workers", "2", "--fc-workers", "2"],
+}
+
+
+def _run(model: str, layout: str, steps: int, out: Path) -> dict:
+    channels = ["--dataset", "synthetic", "--synthetic-shape", "3,32,32"] if model == "resnet18" else []
+    command = [sys.executable, "-m", "convoy", "train", "--nproc", "4", "--model", model, "--steps", str(steps),
+               "--lr", "0.02", "--no-progress", "--out", str(out), *channels, *LAYOUTS[layout]]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{model} {layout} failed:\n{result.stderr[-3000:]}")
+    per_rank = []
+    for rank in range(4):
+        records = [json.loads(line) for line in (out / f"metrics-rank{rank}.jsonl").read_text().splitlines()]
+        per_rank.append([r for r in records if r["kind"] == "step"][2:])  # skip warm-up steps
+    ring = [statistics.mean(r["bytes_sent"] for r in steps) for steps in per_rank]
+    link = [statistics.mean(r.get("link_bytes_sent", 0) for r in steps) for steps in per_rank]
+    step_s = statistics.median(max(steps[i]["wall_s"] for steps in per_rank) for i in range(len(per_rank[0])))
+    return {"model": model, "layout": layout, "ring_MB/step/worker": statistics.mean(ring) / 1e6,
+            "link_MB/step/worker": statistics.mean(link) / 1e6,
+            "total_MB/step/worker": (statistics.mean(ring) + statistics.mean(link)) / 1e6,
+            "max_MB/step/worker": max(r + l for r, l in zip(ring, link)) / 1e6, "step_s": step_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["vgg_fc", "resnet18"])
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models:
+            for layout in LAYOUTS:
+                rows.append(_run(model, layout, args.steps, Path(tmp, f"{model}-{layout}".replace(" ", "_"))))
+                print(rows[-1], flush=True)
+            data = next(r for r in rows if r["model"] == model and r["layout"] == "data 4")
+            for row in rows:
+                if row["model"] == model:
+                    row["bytes_vs_data"] = row["total_MB/step/worker"] / data["total_MB/step/worker"]
+    save("hybrid", vars(args), rows, ["model", "layout", "ring_MB/step/worker", "link_MB/step/worker",
+                                      "total_MB/step/worker", "max_MB/step/worker", "bytes_vs_data", "step_s"])
+
+
+if __name__ == "__main__":
+    main()
