@@ -32,6 +32,8 @@ STRATEGIES: dict[str, list[str]] = {
     "blocktopk": ["train", "--compress", "blocktopk", "--block-fraction", "0.01"],
     "blocktopk-global": ["train", "--compress", "blocktopk", "--block-fraction", "0.01",
                          "--block-selection", "global"],
+    "hybrid-3+1": ["train", "--parallel", "hybrid", "--conv-workers", "3", "--fc-workers", "1"],
+    "hybrid-2+2": ["train", "--parallel", "hybrid", "--conv-workers", "2", "--fc-workers", "2"],
     "ddp": [PEER],
     "powersgd": [PEER, "--powersgd-rank", "2"],
 }

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from convoy.data import GlobalBatchSampler, build_dataset, iterate_batches  # noqa: E402
 from convoy.models import build_model  # noqa: E402
-from convoy.train.loop import score  # noqa: E402
+from convoy.train.scoring import score  # noqa: E402
 from convoy.train.metrics import MetricsWriter  # noqa: E402
 from convoy.train.optim import lr_lambda  # noqa: E402
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from convoy.cli import bench, plot, train
+from convoy.cli import bench, checkpoint, plot, train
 from convoy.cli.args import Parser
 from convoy.errors import UsageError
 
@@ -15,6 +15,7 @@ def build_parser() -> Parser:
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     train.add_parser(commands)
     plot.add_parser(commands)
+    checkpoint.add_parser(commands)
     bench.add_parser(commands)
     return parser
 

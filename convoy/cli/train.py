@@ -10,6 +10,7 @@ import time
 
 from convoy.cli.errors import report_failure
 from convoy.cli.launch import launch
+from convoy.errors import UsageError
 from convoy.runtime import launched_by_torchrun
 from convoy.train.config import TrainConfig, build_config, config_fields, load_toml
 
@@ -58,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if launched_by_torchrun():
         return run_worker(config)
+    if config.parallel == "hybrid" and config.conv_workers + config.fc_workers != config.nproc:
+        raise UsageError(f"--conv-workers + --fc-workers ({config.conv_workers + config.fc_workers}) must "
+                         f"equal --nproc ({config.nproc})")
     if config.out is None:
         config.out = time.strftime("runs/%Y%m%d-%H%M%S")
     return launch(json.dumps(dataclasses.asdict(config)), config.nproc)

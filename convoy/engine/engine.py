@@ -187,6 +187,7 @@ class Engine:
         if self._thread is not None:
             raise RuntimeError("set_step must be called before the first backward")
         self.step = step
+        self.sync.set_step(step)  # warm-up and shared random draws continue where they stopped
 
     def load_optimizer_state(self, states: dict[str, dict]) -> None:
         """Load saved per-layer optimizer ``state`` (``state_dict()["state"]``), keyed by layer name.

@@ -1,4 +1,4 @@
-"""Flat data parallelism: every layer's gradient is all-reduced and averaged."""
+"""Flat data parallelism: every layer's gradient is all-reduced (or, compressed, all-gathered) and averaged."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -6,7 +6,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from convoy.compress import Compressor, IdentityCompressor, Memory, NoMemory
+from convoy.compress import Compressor, IdentityCompressor, LayerInfo, Memory, NoMemory
 from convoy.engine.layers import Bucket
 from convoy.sync.base import Done, PendingSync, SyncStrategy
 
@@ -33,44 +33,130 @@ class _PendingAllReduce(PendingSync):
 
 
 class AllReduce(SyncStrategy):
-    """Asynchronous all-reduce of each layer's (compressed) gradient, then average.
+    """Asynchronous exchange of each layer's (compressed) gradient, then average.
+
+    Summable payloads (no compression, fp16, randomk, globally chosen blocks)
+    are all-reduced. Payloads that differ between ranks (element-wise top-k,
+    locally chosen blocks) are all-gathered, each padded to a width every rank
+    knows (the compressor's bound, else the largest payload, agreed first),
+    then each decompressed and the results summed in rank order, so every rank
+    computes the identical average.
 
     Args:
         group: the process group to average over; ``None`` is the default group.
             Give the engine a group of its own so its collectives never interleave
             with the training loop's.
-        compressor: must be summable (payloads added element-wise on the wire).
+        compressor: how a layer's gradient is put on the wire.
         memory: error-feedback memory for what the compressor loses.
+        warmup_steps: exchange the first this many steps uncompressed (dense),
+            since sparse training from step 0 costs accuracy (DGC's warm-up).
 
     Example::
 
         >>> strategy = AllReduce(dist.new_group())
+        >>> sparse = AllReduce(dist.new_group(), BlockTopKCompressor(1), ResidualMemory())
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None,
-                 compressor: Compressor | None = None, memory: Memory | None = None):
+                 compressor: Compressor | None = None, memory: Memory | None = None,
+                 warmup_steps: int = 0):
         super().__init__()
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         self.compressor = compressor or IdentityCompressor()
-        if not self.compressor.summable:
-            raise ValueError(f"{type(self.compressor).__name__} payloads cannot be summed; "
-                             "all-reduce needs a summable compressor")
         self.memory = memory or NoMemory()
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.warmup_steps = warmup_steps
+        self._dense = IdentityCompressor()
+        self._exchanges: dict[int, int] = {}  # bucket index -> steps exchanged
+        self._first_step = 0
+
+    def set_step(self, step: int) -> None:
+        """Count steps from ``step`` (resuming): warm-up covers steps ``< warmup_steps`` of the job."""
+        self._first_step = step
+        self._exchanges.clear()
 
     def start(self, bucket: Bucket, grad: torch.Tensor) -> PendingSync:
+        step = self._exchanges.get(bucket.index, self._first_step)
+        self._exchanges[bucket.index] = step + 1
+        if step < self.warmup_steps:
+            return self._exchange(self._dense, *self._dense.compress(grad, str(bucket.index)))
         name = str(bucket.index)
         compensated = self.memory.compensate(grad, name)
-        payload, ctx = self.compressor.compress(compensated, name)
+        info = LayerInfo(shapes=tuple(p.shape for p in bucket.params), agree=self._agree, step=step)
+        payload, ctx = self.compressor.compress(compensated, name, info)
         self.memory.update(compensated, name, self.compressor.decompress(payload, ctx))
+        return self._exchange(self.compressor, payload, ctx)
+
+    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any) -> PendingSync:
         if self.world_size == 1:
-            return Done(self.compressor.decompress(payload, ctx))
+            return Done(compressor.decompress(payload, ctx))
+        if compressor.summable:
+            return self._all_reduce(compressor, payload, ctx)
+        return self._all_gather(compressor, payload, ctx)
+
+    def _all_reduce(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any) -> PendingSync:
         (wire,) = payload
         work = dist.all_reduce(wire, group=self.group, async_op=True)
         moved = ring_allreduce_bytes(wire.numel() * wire.element_size(), self.world_size)
         self._count(moved, moved)
 
         def finish() -> torch.Tensor:
-            return self.compressor.decompress([wire], ctx).div_(self.world_size)
+            return compressor.decompress([wire], ctx).div_(self.world_size)
 
         return _PendingAllReduce(work, finish)
+
+    def _all_gather(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any) -> PendingSync:
+        # Each rank's row: the byte size of each payload tensor (int64), the
+        # tensors' bytes, zero padding up to a width every rank agrees on.
+        parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in payload]
+        dtypes = [t.dtype for t in payload]
+        sizes = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
+        head = sizes.numel() * sizes.element_size()
+        used = head + int(sizes.sum())
+        width = self._row_width(compressor, ctx, head, used)
+        mine = torch.zeros(width, dtype=torch.uint8)
+        torch.cat([sizes.view(torch.uint8), *parts], out=mine[:used])
+        rows = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world_size)]
+        work = dist.all_gather(rows, mine, group=self.group, async_op=True)
+        moved = (self.world_size - 1) * width
+        self._count(moved, moved)
+
+        def finish() -> torch.Tensor:
+            total = None
+            for row in rows:
+                row_sizes = row[:head].clone().view(torch.int64).tolist()
+                if min(row_sizes) < 0 or head + sum(row_sizes) > width:
+                    raise RuntimeError(f"a peer's payload sizes {row_sizes} do not fit its row of {width} bytes")
+                pieces = row[head:head + sum(row_sizes)].split(row_sizes)
+                # clone: a slice at an odd byte offset cannot be viewed as wider values.
+                received = [piece.clone().view(dtype) for piece, dtype in zip(pieces, dtypes)]
+                dense = compressor.decompress(received, ctx)
+                total = dense if total is None else total.add_(dense)
+            return total.div_(self.world_size)
+
+        return _PendingAllReduce(work, finish)
+
+    def _row_width(self, compressor: Compressor, ctx: Any, head: int, used: int) -> int:
+        """Bytes of every rank's all-gather row: the compressor's bound, or the largest payload."""
+        bound = compressor.max_payload_bytes(ctx)
+        if bound is not None:
+            if used > head + bound:
+                raise RuntimeError(f"{type(compressor).__name__} payload of {used - head} bytes "
+                                   f"exceeds its bound of {bound}")
+            return head + bound
+        # No bound: agree on the largest size first (one small blocking all-reduce).
+        largest = torch.tensor([used], dtype=torch.int64)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
+        moved = ring_allreduce_bytes(largest.element_size(), self.world_size)
+        self._count(moved, moved)
+        return int(largest)
+
+    def _agree(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the group, blocking (block scores of a global selection)."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, group=self.group)
+            moved = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.world_size)
+            self._count(moved, moved)
+        return tensor

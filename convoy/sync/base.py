@@ -30,6 +30,8 @@ class SyncStrategy(ABC):
     off the wire with ``_count``.
     """
 
+    world_size: int = 1  # ranks the strategy averages over (its group's size)
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.bytes_sent = 0
@@ -38,6 +40,9 @@ class SyncStrategy(ABC):
     @abstractmethod
     def start(self, bucket: Bucket, grad: torch.Tensor) -> PendingSync:
         """Begin exchanging ``grad``, the flat local gradient of ``bucket``'s layers."""
+
+    def set_step(self, step: int) -> None:
+        """The next exchange belongs to ``step`` (resuming); strategies with step-dependent behaviour override."""
 
     def _count(self, sent: int, received: int) -> None:
         with self._lock:

@@ -50,11 +50,32 @@ class TrainConfig:
     seed: int = _opt(0, "seed of the model's initialisation and the data order")
     out: str | None = _opt(None, "run folder for metrics and the final model (default runs/<time>)")
     sync: str = _opt("allreduce", "gradient synchronisation strategy")
-    compress: str = _opt("none", "gradient compressor")
-    parallel: str = _opt("data", "parallel layout")
+    compress: str = _opt("none", "gradient compressor: none, fp16, blocktopk, topk, randomk")
+    blocks_per_layer: int | None = _opt(None, "blocktopk: blocks kept per parameter (default 1; "
+                                        "exclusive with --block-fraction)")
+    block_fraction: float | None = _opt(None, "blocktopk: fraction of each parameter's blocks kept, "
+                                        "in (0, 1], at least one")
+    block_metric: str = _opt("l1", "blocktopk: norm that scores a block: l1 or l2")
+    block_selection: str = _opt("local", "blocktopk: local (each rank its own blocks, all-gathered) or "
+                                "global (scores summed, the same blocks on every rank, all-reduced)")
+    element_fraction: float = _opt(0.01, "topk, randomk: fraction of each layer's elements sent, in (0, 1]")
+    warmup_steps: int = _opt(0, "exchange the first N steps uncompressed before compressing")
+    parallel: str = _opt("data", "parallel layout: data, or hybrid (conv layers data-parallel on "
+                         "--conv-workers, the FC head on --fc-workers)")
+    conv_workers: int | None = _opt(None, "hybrid: I, the ranks 0..I-1 that train the conv layers")
+    fc_workers: int | None = _opt(None, "hybrid: J, the ranks I..I+J-1 that train the FC head (I divisible by J)")
+    split_at: str | None = _opt(None, "hybrid: the child module where the FC head begins "
+                                "(default: the model's classifier, or its first Flatten/Linear after the last conv)")
     threads: int = _opt(1, "torch threads per worker")
     timeout: float = _opt(300.0, "seconds a collective waits for a peer before the job fails")
     progress: bool = _opt(True, "show a progress bar on rank 0")
+    checkpoint_dir: str | None = _opt(None, "checkpoint layer by layer into this directory (a DAX/pmem "
+                                      "mount is used as such); resumes from it when it holds a checkpoint")
+    checkpoint_every: int = _opt(1, "checkpoint every N steps (and after the last one)")
+    resume: bool | None = _opt(None, "resume from --checkpoint-dir (--resume: fail if it holds none; "
+                               "--no-resume: start over, overwriting it); default: resume if it holds one")
+    init_from: str | None = _opt(None, "start from the parameters of this state_dict file (.pt), e.g. "
+                                 "from convoy checkpoint export")
 
     def total_steps(self, steps_per_epoch: int) -> int:
         if self.steps is not None:
@@ -101,6 +122,7 @@ class TrainConfig:
             raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         _one_of("sync", self.sync, SYNC_NAMES)
         _one_of("compress", self.compress, COMPRESS_NAMES)
+        self._validate_compression()
         _one_of("parallel", self.parallel, PARALLEL_NAMES)
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULE_NAMES)
         # Names are checked here, before any worker starts; import paths only
@@ -111,7 +133,48 @@ class TrainConfig:
             if ":" not in value:
                 _one_of(name, value, choices + ("package.module:factory",))
         self.synthetic_dims()
+        self._validate_hybrid()
+        self._validate_checkpointing()
         return self
+
+    def _validate_checkpointing(self) -> None:
+        _at_least("checkpoint_every", self.checkpoint_every, 1)
+        if self.resume is not None and self.checkpoint_dir is None:
+            raise UsageError("--resume/--no-resume needs --checkpoint-dir")
+        if self.checkpoint_dir is not None:
+            from convoy.checkpoint.session import check_directory
+
+            check_directory(self.checkpoint_dir)
+        if self.init_from is not None and not Path(self.init_from).is_file():
+            raise UsageError(f"--init-from {self.init_from} does not exist")
+
+    def _validate_compression(self) -> None:
+        from convoy.compress import METRICS, SELECTIONS
+
+        if self.blocks_per_layer is not None:
+            _at_least("blocks_per_layer", self.blocks_per_layer, 1)
+        if self.block_fraction is not None:
+            _fraction("block_fraction", self.block_fraction)
+            if self.blocks_per_layer is not None:
+                raise UsageError("give --blocks-per-layer or --block-fraction, not both")
+        _one_of("block_metric", self.block_metric, METRICS)
+        _one_of("block_selection", self.block_selection, SELECTIONS)
+        _fraction("element_fraction", self.element_fraction)
+        _at_least("warmup_steps", self.warmup_steps, 0)
+
+
+    def _validate_hybrid(self) -> None:
+        if self.parallel != "hybrid":
+            if self.conv_workers is not None or self.fc_workers is not None:
+                raise UsageError("--conv-workers and --fc-workers need --parallel hybrid")
+            return
+        if self.conv_workers is None or self.fc_workers is None:
+            raise UsageError("--parallel hybrid needs --conv-workers I and --fc-workers J")
+        from convoy.parallel import HybridRoles
+
+        HybridRoles(self.conv_workers, self.fc_workers)
+        if self.checkpoint_dir is not None:
+            raise UsageError("--checkpoint-dir does not support --parallel hybrid yet")
 
 
 def _flag(name: str) -> str:
@@ -126,6 +189,11 @@ def _at_least(name: str, value: int, low: int) -> None:
 def _positive(name: str, value: float) -> None:
     if not value > 0:
         raise UsageError(f"{_flag(name)} must be > 0, got {value}")
+
+
+def _fraction(name: str, value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise UsageError(f"{_flag(name)} must be in (0, 1], got {value}")
 
 
 def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
+from itertools import islice
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -13,18 +13,17 @@ from torch import nn
 from tqdm import tqdm
 
 from convoy import runtime
+from convoy.checkpoint.export import load_initial_state
+from convoy.checkpoint.session import CheckpointSession, CheckpointSettings, ResumePoint, start_checkpointing
 from convoy.compress import build_compressor
-from convoy.data import DatasetSplits, GlobalBatchSampler, build_dataset, iterate_batches, shard_indices
+from convoy.data import DatasetSplits, GlobalBatchSampler, build_dataset, iterate_batches
 from convoy.engine import Engine
 from convoy.models import build_model
-from convoy.parallel import DataParallel, ParallelLayout
-from convoy.sync import AllReduce
+from convoy.parallel import DataParallel, HybridParallel, HybridRoles, ParallelLayout
+from convoy.sync import AllReduce, ring_allreduce_bytes
 from convoy.train.config import TrainConfig, save_config
 from convoy.train.metrics import MetricsWriter
 from convoy.train.optim import lr_lambda, resolve_optimizer, supported_kwargs
-
-_EVAL_CHUNK = 512
-
 
 @dataclass
 class RunSummary:
@@ -50,60 +49,97 @@ def run(config: TrainConfig) -> RunSummary:
     torch.manual_seed(config.seed)
     model = build_model(config.model, in_channels=splits.in_channels, num_classes=splits.num_classes,
                         image_size=splits.image_size).to(ctx.device)
+    if config.init_from is not None:
+        load_initial_state(model, config.init_from)
     broadcast_parameters(model)
-    sampler = GlobalBatchSampler(len(splits.train), config.batch_size, ctx.world_size, ctx.rank, config.seed)
-    total_steps = config.total_steps(len(sampler))
-    layout = build_layout(config, model, ctx, total_steps)
+    data_world = config.conv_workers if config.parallel == "hybrid" else ctx.world_size
+    steps_per_epoch = len(GlobalBatchSampler(len(splits.train), config.batch_size, data_world, 0, config.seed))
+    total_steps = config.total_steps(steps_per_epoch)
+    layout = build_layout(config, model, ctx, total_steps, (splits.in_channels, *splits.image_size))
+    sampler = GlobalBatchSampler(len(splits.train), config.batch_size, layout.data_world_size, layout.data_rank,
+                                 config.seed)
+    session = start_checkpoints(config, model, layout.engine, total_steps, len(sampler))
     run_dir = resolve_run_dir(config.out, ctx.rank)
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir)
     metrics = MetricsWriter(run_dir, ctx.rank)
     try:
-        summary = _train(config, ctx, layout, splits, sampler, total_steps, metrics, run_dir)
+        summary = _train(config, ctx, layout, splits, sampler, total_steps, metrics, run_dir,
+                         session.start if session else ResumePoint())
     finally:
         metrics.close()
     layout.engine.close()
+    if session is not None:
+        session.listener.close()   # the last checkpoint is committed before the job ends
+    state = layout.full_state_dict()
     if ctx.rank == 0:
-        torch.save({"model": model.state_dict(), "optimizers": layout.engine.optimizer_state()},
+        torch.save({"model": state, "optimizers": layout.engine.optimizer_state()},
                    run_dir / "model.pt")
         (run_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
     return summary
 
 
-def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, total_steps: int) -> ParallelLayout:
-    """The engine with its sync strategy and compressor, inside the parallel layout."""
+def optimizer_spec(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The optimizer class and the hyper-parameters of it that ``config`` sets."""
     optimizer_class = resolve_optimizer(config.optimizer)
-    hyper = supported_kwargs(optimizer_class, lr=config.lr, momentum=config.momentum,
-                             weight_decay=config.weight_decay)
-    compressor, memory = build_compressor(config.compress)
+    return optimizer_class, supported_kwargs(optimizer_class, lr=config.lr, momentum=config.momentum,
+                                             weight_decay=config.weight_decay)
+
+
+def start_checkpoints(config: TrainConfig, model: nn.Module, engine: Engine, total_steps: int,
+                      steps_per_epoch: int) -> CheckpointSession | None:
+    """Resume from ``--checkpoint-dir`` if it holds a checkpoint, and checkpoint from now on."""
+    if config.checkpoint_dir is None:
+        return None
+    optimizer_class, hyper = optimizer_spec(config)
+    settings = CheckpointSettings(config.checkpoint_dir, config.checkpoint_every, config.resume, config.timeout)
+    return start_checkpointing(settings, model, engine, optimizer_class, hyper, total_steps, steps_per_epoch)
+
+
+def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, total_steps: int,
+                 input_shape: tuple[int, ...]) -> ParallelLayout:
+    """This rank's parallel layout, with an engine (sync strategy, compressor) for its part of the model."""
+    optimizer_class, hyper = optimizer_spec(config)
+
+    def make_engine(part: nn.Module, group: dist.ProcessGroup | None) -> Engine:
+        compressor, memory = build_compressor(
+            config.compress, blocks_per_layer=config.blocks_per_layer, block_fraction=config.block_fraction,
+            block_metric=config.block_metric, block_selection=config.block_selection,
+            element_fraction=config.element_fraction)
+        return Engine(part, optimizer_class, AllReduce(group, compressor, memory, config.warmup_steps),
+                      lr_lambda=lr_lambda(config.lr_schedule, total_steps), **hyper)
+
+    if config.parallel == "hybrid":
+        roles = HybridRoles(config.conv_workers, config.fc_workers)
+        return HybridParallel(model, roles, ctx.rank, input_shape, make_engine, config.split_at)
     # A group of its own keeps the engine's collectives from interleaving with
     # the training loop's (evaluation, bookkeeping) on the default group.
     group = dist.new_group() if ctx.world_size > 1 else None
-    engine = Engine(model, optimizer_class, AllReduce(group, compressor, memory),
-                    lr_lambda=lr_lambda(config.lr_schedule, total_steps), **hyper)
-    return DataParallel(model, engine, ctx.rank, ctx.world_size)
+    return DataParallel(model, make_engine(model, group), ctx.rank, ctx.world_size)
 
 
 def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, splits: DatasetSplits,
-           sampler: GlobalBatchSampler, total_steps: int, metrics: MetricsWriter, run_dir: Path) -> RunSummary:
+           sampler: GlobalBatchSampler, total_steps: int, metrics: MetricsWriter, run_dir: Path,
+           resume: ResumePoint) -> RunSummary:
     engine = layout.engine
-    bar = tqdm(total=total_steps, disable=not (config.progress and ctx.rank == 0), unit="step",
-               dynamic_ncols=True, leave=False)
+    bar = tqdm(total=total_steps, initial=resume.step, disable=not (config.progress and ctx.rank == 0),
+               unit="step", dynamic_ncols=True, leave=False)
     start = time.perf_counter()
-    bytes_sent, step, epoch, last = 0, 0, 0, None
+    bytes_sent, step, epoch, last = 0, resume.step, resume.epoch, None
+    skip = resume.position   # batches of the resumed epoch already trained
     accuracy, seen, right = None, 0, 0
     while step < total_steps:
         sampler.set_epoch(epoch)
-        for x, y in iterate_batches(splits.train, sampler):
+        for x, y in iterate_batches(splits.train, islice(sampler, skip, None)):
             loss, correct = layout.train_step(x.to(ctx.device), y.to(ctx.device))
             if last is not None:
-                bytes_sent += _record_step(metrics, engine, *last)
+                bytes_sent += _record_step(metrics, layout, *last)
             last = (step, epoch, loss, correct / len(y), time.perf_counter() - start)
             step += 1
-            samples_per_s = step * len(y) * layout.data_world_size / (time.perf_counter() - start)
+            samples_per_s = (step - resume.step) * len(y) * layout.data_world_size / (time.perf_counter() - start)
             if config.eval_every and step % config.eval_every == 0 and step < total_steps:
-                accuracy, test_loss = evaluate(layout, splits.test, ctx.device)
+                accuracy, test_loss = layout.evaluate(splits.test, ctx.device)
                 metrics.write("eval", step=step, time=time.perf_counter() - start,
                               test_accuracy=accuracy, test_loss=test_loss)
             seen, right = seen + len(y), right + correct
@@ -115,11 +151,12 @@ def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, sp
                 break
         if _reached(config, accuracy):
             break
-        epoch += 1
+        epoch, skip = epoch + 1, 0
     engine.synchronize()
-    bytes_sent += _record_step(metrics, engine, *last)
+    if last is not None:   # None when resuming a finished run
+        bytes_sent += _record_step(metrics, layout, *last)
     wall = time.perf_counter() - start
-    accuracy, test_loss = evaluate(layout, splits.test, ctx.device)
+    accuracy, test_loss = layout.evaluate(splits.test, ctx.device)
     metrics.write("eval", step=step, time=wall, test_accuracy=accuracy, test_loss=test_loss)
     bar.close()
     return RunSummary(step, wall, accuracy, test_loss, _mean_over_ranks(bytes_sent), str(run_dir))
@@ -130,39 +167,21 @@ def _reached(config: TrainConfig, accuracy: float | None) -> bool:
     return config.stop_at_accuracy is not None and accuracy is not None and accuracy >= config.stop_at_accuracy
 
 
-def _record_step(metrics: MetricsWriter, engine: Engine, step: int, epoch: int, loss: float,
+def _record_step(metrics: MetricsWriter, layout: ParallelLayout, step: int, epoch: int, loss: float,
                  train_accuracy: float, elapsed: float) -> int:
-    stats = engine.stats(step)
+    stats = layout.engine.stats(step)
+    # The engine's group: all ranks in data parallelism, one role's ring in hybrid.
+    dense = dense_step_bytes(layout.engine, layout.engine.sync.world_size)
     metrics.write("step", epoch=epoch, loss=loss, train_accuracy=train_accuracy, time=elapsed,
-                  **stats.as_dict())
+                  compression_ratio=dense / stats.bytes_sent if stats.bytes_sent else 1.0, **stats.as_dict(),
+                  **layout.step_metrics(step))
     return stats.bytes_sent
 
 
-def evaluate(layout: ParallelLayout, test: torch.utils.data.Dataset, device: torch.device) -> tuple[float, float]:
-    """Accuracy and mean loss on the test set, each rank scoring a shard of it."""
-    layout.engine.synchronize()
-    average_buffers(layout.engine.model)
-    return score(layout.predict, test, device)
-
-
-def score(predict: Callable[[torch.Tensor], torch.Tensor], test: torch.utils.data.Dataset,
-          device: torch.device) -> tuple[float, float]:
-    """Accuracy and mean loss of ``predict`` (inputs -> logits) on ``test``, sharded over ranks."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    shard = shard_indices(len(test), world, rank)
-    totals = torch.zeros(3, dtype=torch.float64)
-    for begin in range(shard.start, shard.stop, _EVAL_CHUNK):
-        xs, ys = zip(*(test[i] for i in range(begin, min(begin + _EVAL_CHUNK, shard.stop))))
-        x, y = torch.stack(xs).to(device), torch.as_tensor(ys, dtype=torch.int64).to(device)
-        logits = predict(x)
-        totals += torch.tensor([(logits.argmax(1) == y).sum().item(),
-                                len(y), nn.functional.cross_entropy(logits, y, reduction="sum").item()],
-                               dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(totals)
-    correct, count, loss_sum = totals.tolist()
-    return correct / count, loss_sum / count
+def dense_step_bytes(engine: Engine, world_size: int) -> int:
+    """Bytes a worker would send in one step of uncompressed fp32 ring all-reduces of every bucket."""
+    return sum(ring_allreduce_bytes(sum(layer.nbytes for layer in bucket.layers), world_size)
+               for bucket in engine.buckets)
 
 
 def broadcast_parameters(model: nn.Module) -> None:
@@ -170,21 +189,6 @@ def broadcast_parameters(model: nn.Module) -> None:
     if dist.is_initialized():
         for tensor in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(tensor.data, src=0)
-
-
-def average_buffers(model: nn.Module) -> None:
-    """Average floating-point buffers (batch-norm statistics) over ranks before evaluation.
-
-    Each rank's running statistics saw only its share of the batches; the
-    average is what one process seeing all of them would hold, to first order.
-    """
-    if not dist.is_initialized():
-        return
-    world = dist.get_world_size()
-    for buffer in model.buffers():
-        if buffer.is_floating_point():
-            dist.all_reduce(buffer.data)
-            buffer.data.div_(world)
 
 
 def _mean_over_ranks(value: float) -> float:
