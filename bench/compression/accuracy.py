@@ -15,23 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from typing import Any
-
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from bench.common import RESULTS, save, spawn
 from bench.compression.plot import bars
-from convoy.data import GlobalBatchSampler, build_dataset, iterate_batches
-from convoy.models import build_model
-from convoy.sync import ring_allreduce_bytes
+from bench.peers.ddp_train import train_ddp
 from convoy.train.config import TrainConfig
-from convoy.train.loop import broadcast_parameters, run
-from convoy.train.optim import lr_lambda
+from convoy.train.loop import run
 
 # (label, TrainConfig fields)
 RUNS: list[tuple[str, dict[str, Any]]] = [
@@ -70,45 +60,10 @@ def convoy_worker(rank: int, world: int, fields: dict[str, Any]) -> dict:
 
 def powersgd_worker(rank: int, world: int, fields: dict[str, Any], start_iter: int) -> dict:
     config = TrainConfig(**fields, nproc=world).validate()
-    data = build_dataset(config.dataset, seed=config.seed)
-    torch.manual_seed(config.seed)
-    model = build_model(config.model, in_channels=data.in_channels, num_classes=data.num_classes,
-                        image_size=data.image_size)
-    broadcast_parameters(model)
-    ddp = nn.parallel.DistributedDataParallel(model)
-    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
-                                        start_powerSGD_iter=start_iter)
-    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    sent = [0]
-    all_reduce = dist.all_reduce
-
-    def counted(tensor, *args, **kwargs):  # the hook's all-reduces, counted like convoy's
-        sent[0] += ring_allreduce_bytes(tensor.numel() * tensor.element_size(), world)
-        return all_reduce(tensor, *args, **kwargs)
-
-    dist.all_reduce = counted
-    opt = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=config.momentum,
-                          weight_decay=config.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(config.lr_schedule, config.steps))
-    sampler = GlobalBatchSampler(len(data.train), config.batch_size, world, rank, config.seed)
-    step, epoch, start = 0, 0, time.perf_counter()
-    while step < config.steps:
-        sampler.set_epoch(epoch)
-        for x, y in iterate_batches(data.train, sampler):
-            opt.zero_grad()
-            F.cross_entropy(ddp(x), y).backward()
-            opt.step()
-            schedule.step()
-            step += 1
-            if step >= config.steps:
-                break
-        epoch += 1
-    wall = time.perf_counter() - start
-    dist.all_reduce = all_reduce
-    x, y = map(torch.stack, zip(*[(xi, torch.as_tensor(yi)) for xi, yi in data.test]))
-    with torch.no_grad():
-        accuracy = (model(x).argmax(1) == y).float().mean().item()
-    return {"test_accuracy": accuracy, "wall_s": wall, "bytes_per_step": sent[0] / config.steps}
+    return train_ddp(rank, world, steps=config.steps, model=config.model, dataset=config.dataset,
+                     batch_size=config.batch_size, lr=config.lr, momentum=config.momentum,
+                     weight_decay=config.weight_decay, lr_schedule=config.lr_schedule, seed=config.seed,
+                     powersgd_rank=1, powersgd_start=start_iter)
 
 
 def main() -> None:

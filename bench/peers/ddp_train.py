@@ -2,14 +2,17 @@
 
 Same data order, model, initialisation, optimizer and evaluation as `convoy train`,
 and the same metrics files, so a benchmark can put both side by side. Run it one
-process per rank (torchrun or `convoy bench cluster -- bench/peers/ddp_train.py ...`).
+process per rank (torchrun or `convoy bench cluster -- bench/peers/ddp_train.py ...`),
+or call ``train_ddp`` from a process that already joined a gloo group.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,12 +23,93 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from convoy.data import GlobalBatchSampler, build_dataset, iterate_batches  # noqa: E402
 from convoy.models import build_model  # noqa: E402
-from convoy.train.scoring import score  # noqa: E402
+from convoy.sync import ring_allreduce_bytes  # noqa: E402
 from convoy.train.metrics import MetricsWriter  # noqa: E402
 from convoy.train.optim import lr_lambda  # noqa: E402
+from convoy.train.scoring import score  # noqa: E402
 
 
-def parse() -> argparse.Namespace:
+class _CountedAllReduce:
+    """Counts the bytes of PowerSGD's all-reduces (Python calls) as ring all-reduces, like convoy's."""
+
+    def __init__(self, world: int):
+        self.world, self.sent, self._original = world, 0, dist.all_reduce
+
+    def __call__(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.sent += ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.world)
+        return self._original(tensor, *args, **kwargs)
+
+    def __enter__(self) -> "_CountedAllReduce":
+        dist.all_reduce = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_reduce = self._original
+
+
+def train_ddp(rank: int, world: int, *, steps: int, model: str = "lenet", dataset: str = "digits",
+              batch_size: int = 32, lr: float = 0.05, momentum: float = 0.9, weight_decay: float = 5e-4,
+              lr_schedule: str = "cosine", eval_every: int = 0, seed: int = 0, powersgd_rank: int = 0,
+              powersgd_start: int = 2, stop_at_accuracy: float | None = None, out: str | None = None) -> dict:
+    """Train with DDP (+ PowerSGD when ``powersgd_rank`` > 0); return accuracy, wall time, bytes per step."""
+    data = build_dataset(dataset)
+    torch.manual_seed(seed)
+    net = DistributedDataParallel(build_model(model, in_channels=data.in_channels,
+                                              num_classes=data.num_classes, image_size=data.image_size))
+    if powersgd_rank:
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
+                                            start_powerSGD_iter=powersgd_start)
+        net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    dense = ring_allreduce_bytes(sum(p.numel() * p.element_size() for p in net.parameters()), world)
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    factor = lr_lambda(lr_schedule, steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor) if factor else None
+    sampler = GlobalBatchSampler(len(data.train), batch_size, world, rank, seed)
+    metrics = MetricsWriter(Path(out), rank) if out else None
+    start, step, epoch, done, accuracy = time.perf_counter(), 0, 0, False, 0.0
+    last = start
+    with _CountedAllReduce(world) as counter:
+        while step < steps and not done:
+            sampler.set_epoch(epoch)
+            for x, y in iterate_batches(data.train, sampler):
+                sent_before = counter.sent
+                opt.zero_grad()
+                loss = F.cross_entropy(net(x), y)
+                loss.backward()
+                opt.step()
+                if sched:
+                    sched.step()
+                now = time.perf_counter()
+                sent = counter.sent - sent_before if powersgd_rank else dense
+                if metrics:
+                    metrics.write("step", step=step, epoch=epoch, loss=loss.item(), time=now - start,
+                                  wall_s=now - last, wait_s=0.0, compute_s=now - last, bytes_sent=sent,
+                                  bytes_received=sent)
+                last, step = now, step + 1
+                if (eval_every and step % eval_every == 0) or step == steps:
+                    accuracy, test_loss = score(net.module.eval(), data.test, torch.device("cpu"))
+                    net.train()
+                    if metrics:
+                        metrics.write("eval", step=step, time=time.perf_counter() - start,
+                                      test_accuracy=accuracy, test_loss=test_loss)
+                    last = time.perf_counter()
+                    done = stop_at_accuracy is not None and accuracy >= stop_at_accuracy
+                if step >= steps or done:
+                    break
+            epoch += 1
+    wall = time.perf_counter() - start
+    if metrics:
+        metrics.close()
+    total = counter.sent if powersgd_rank else dense * step
+    # DDP's reducer sits in a reference cycle; if it outlives the process group
+    # (destroyed by the caller), the process aborts at exit.
+    dist.barrier()
+    del net, opt, sched
+    gc.collect()
+    return {"test_accuracy": accuracy, "wall_s": wall, "bytes_per_step": total / step}
+
+
+def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="lenet")
     p.add_argument("--dataset", default="digits")
@@ -39,58 +123,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop-at-accuracy", type=float, default=None)
     p.add_argument("--powersgd-rank", type=int, default=0, help="PowerSGD matrix rank (0: plain DDP)")
+    p.add_argument("--powersgd-start", type=int, default=2, help="dense steps before PowerSGD starts")
     p.add_argument("--out", required=True)
-    return p.parse_args()
-
-
-def main() -> None:
-    args = parse()
+    args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    data = build_dataset(args.dataset)
-    torch.manual_seed(args.seed)
-    model = DistributedDataParallel(build_model(args.model, in_channels=data.in_channels,
-                                                num_classes=data.num_classes, image_size=data.image_size))
-    if args.powersgd_rank:
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
-                                            start_powerSGD_iter=2)
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    factor = lr_lambda(args.lr_schedule, args.steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor) if factor else None
-    sampler = GlobalBatchSampler(len(data.train), args.batch_size, world, rank, args.seed)
-    metrics = MetricsWriter(Path(args.out), rank)
-    start, step, epoch, last, done = time.perf_counter(), 0, 0, time.perf_counter(), False
-    while step < args.steps:
-        sampler.set_epoch(epoch)
-        for x, y in iterate_batches(data.train, sampler):
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            if sched:
-                sched.step()
-            now = time.perf_counter()
-            metrics.write("step", step=step, epoch=epoch, loss=loss.item(), time=now - start, wall_s=now - last,
-                          wait_s=0.0, compute_s=now - last, bytes_sent=0, bytes_received=0)
-            last, step = now, step + 1
-            if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-                model.eval()
-                with torch.no_grad():
-                    accuracy, test_loss = score(model.module, data.test, torch.device("cpu"))
-                model.train()
-                metrics.write("eval", step=step, time=time.perf_counter() - start,
-                              test_accuracy=accuracy, test_loss=test_loss)
-                last = time.perf_counter()
-                done = args.stop_at_accuracy is not None and accuracy >= args.stop_at_accuracy
-            if step >= args.steps or done:
-                break
-        if done:
-            break
-        epoch += 1
-    metrics.close()
-    dist.barrier()
+    train_ddp(dist.get_rank(), dist.get_world_size(), **vars(args))
     dist.destroy_process_group()
 
 

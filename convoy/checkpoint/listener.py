@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from convoy.checkpoint.format import CommitRecord, FormatError, Layout, dtype_of
-from convoy.checkpoint.snapshot import layer_sources, model_layers, module_buffers, rank_layout, rank_state
+from convoy.checkpoint.snapshot import layer_sources, module_buffers, rank_layout, rank_state
 from convoy.checkpoint.store import AREAS, Store
 from convoy.engine.listeners import Listener
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 
 def metrics_path(run_dir: Path, rank: int) -> Path:
@@ -22,11 +22,3 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
-
-
-def read_metrics(run_dir: Path, rank: int = 0) -> Iterator[dict[str, Any]]:
-    path = metrics_path(run_dir, rank)
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
