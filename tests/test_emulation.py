@@ -79,3 +79,21 @@ def test_bad_cluster_input_is_one_line_and_exit_2():
         assert result.returncode == 2 and "Traceback" not in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
     assert convoy("bench", "cluster", "--", "run.sh").returncode == 2
+
+
+@needs_netns
+def test_cleanup_takes_only_namespaces_whose_maker_is_gone():
+    import os
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    live, dead = f"convoy{os.getpid()}-t", f"convoy{gone.pid}-t"
+    for name in (live, dead):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        leftover = leftover_namespaces()
+        assert dead in leftover and live not in leftover   # a running cluster is never torn down
+    finally:
+        for name in (live, dead):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)

@@ -13,6 +13,8 @@ import shutil
 import subprocess
 from typing import Sequence
 
+import psutil
+
 from convoy.emulation.topology import Topology
 from convoy.errors import UsageError
 
@@ -118,9 +120,19 @@ class EmulatedCluster:
 
 
 def leftover_namespaces() -> list[str]:
-    """Namespaces of earlier runs that did not get to tear down (killed with SIGKILL)."""
+    """Namespaces of earlier runs that did not get to tear down (killed with SIGKILL).
+
+    A namespace is named after the process that made it; those of processes
+    still alive belong to clusters in use and are left alone.
+    """
     result = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-    return [line.split()[0] for line in result.stdout.splitlines() if line.startswith(PREFIX)]
+    names = [line.split()[0] for line in result.stdout.splitlines() if line.startswith(PREFIX)]
+    return [name for name in names if not _owner_alive(name)]
+
+
+def _owner_alive(name: str) -> bool:
+    owner = name[len(PREFIX):].split("-", 1)[0]
+    return owner.isdigit() and psutil.pid_exists(int(owner))
 
 
 def remove_namespaces(names: Sequence[str]) -> None:
