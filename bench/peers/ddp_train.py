@@ -12,7 +12,7 @@ import gc
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,9 @@ class _CountedAllReduce:
         self.world, self.sent, self._original = world, 0, dist.all_reduce
 
     def __call__(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        self.sent += ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.world)
+        group = kwargs.get("group")   # a comm hook's or averager's subgroup
+        world = dist.get_world_size(group) if group is not None else self.world
+        self.sent += ring_allreduce_bytes(tensor.numel() * tensor.element_size(), world)
         return self._original(tensor, *args, **kwargs)
 
     def __enter__(self) -> "_CountedAllReduce":
@@ -50,18 +52,34 @@ class _CountedAllReduce:
 def train_ddp(rank: int, world: int, *, steps: int, model: str = "lenet", dataset: str = "digits",
               batch_size: int = 32, lr: float = 0.05, momentum: float = 0.9, weight_decay: float = 5e-4,
               lr_schedule: str = "cosine", eval_every: int = 0, seed: int = 0, powersgd_rank: int = 0,
-              powersgd_start: int = 2, stop_at_accuracy: float | None = None, out: str | None = None) -> dict:
-    """Train with DDP (+ PowerSGD when ``powersgd_rank`` > 0); return accuracy, wall time, bytes per step."""
+              powersgd_start: int = 2, stop_at_accuracy: float | None = None, out: str | None = None,
+              setup: Callable[[DistributedDataParallel, torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
+              ) -> dict:
+    """Train with DDP (+ PowerSGD when ``powersgd_rank`` > 0); return accuracy, wall time, bytes per step.
+
+    ``setup(net, optimizer)`` may register a comm hook and return a wrapping
+    optimizer (torch's local SGD / model averaging: bench/peers/hier_sgd.py);
+    its Python all-reduces are then what is counted.
+    """
     data = build_dataset(dataset)
     torch.manual_seed(seed)
+    # With gloo, torch's PowerSGD hook chains its all-reduces in callbacks that
+    # race across buckets: with two or more buckets the ranks' collectives can
+    # come in different orders and gloo aborts ("Received data size doesn't
+    # match expected size"). One bucket keeps its order fixed.
+    buckets = {"bucket_cap_mb": 4096} if powersgd_rank else {}
     net = DistributedDataParallel(build_model(model, in_channels=data.in_channels,
-                                              num_classes=data.num_classes, image_size=data.image_size))
+                                              num_classes=data.num_classes, image_size=data.image_size),
+                                  **buckets)
     if powersgd_rank:
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
                                             start_powerSGD_iter=powersgd_start)
         net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     dense = ring_allreduce_bytes(sum(p.numel() * p.element_size() for p in net.parameters()), world)
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    counted = bool(powersgd_rank or setup)   # else DDP's own (C++) all-reduce: the dense bytes
+    if setup is not None:
+        opt = setup(net, opt)
     factor = lr_lambda(lr_schedule, steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor) if factor else None
     sampler = GlobalBatchSampler(len(data.train), batch_size, world, rank, seed)
@@ -80,7 +98,7 @@ def train_ddp(rank: int, world: int, *, steps: int, model: str = "lenet", datase
                 if sched:
                     sched.step()
                 now = time.perf_counter()
-                sent = counter.sent - sent_before if powersgd_rank else dense
+                sent = counter.sent - sent_before if counted else dense
                 if metrics:
                     metrics.write("step", step=step, epoch=epoch, loss=loss.item(), time=now - start,
                                   wall_s=now - last, wait_s=0.0, compute_s=now - last, bytes_sent=sent,
@@ -100,7 +118,7 @@ def train_ddp(rank: int, world: int, *, steps: int, model: str = "lenet", datase
     wall = time.perf_counter() - start
     if metrics:
         metrics.close()
-    total = counter.sent if powersgd_rank else dense * step
+    total = counter.sent if counted else dense * step
     # DDP's reducer sits in a reference cycle; if it outlives the process group
     # (destroyed by the caller), the process aborts at exit.
     dist.barrier()
@@ -109,8 +127,9 @@ def train_ddp(rank: int, world: int, *, steps: int, model: str = "lenet", datase
     return {"test_accuracy": accuracy, "wall_s": wall, "bytes_per_step": total / step}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+def arguments(description: str | None = __doc__) -> argparse.ArgumentParser:
+    """The peer's command line (shared with the other torch peers)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default="lenet")
     p.add_argument("--dataset", default="digits")
     p.add_argument("--batch-size", type=int, default=32)
@@ -125,11 +144,19 @@ def main() -> None:
     p.add_argument("--powersgd-rank", type=int, default=0, help="PowerSGD matrix rank (0: plain DDP)")
     p.add_argument("--powersgd-start", type=int, default=2, help="dense steps before PowerSGD starts")
     p.add_argument("--out", required=True)
-    args = p.parse_args()
+    return p
+
+
+def run_peer(args: argparse.Namespace, **extra: Any) -> None:
+    """Join the job's gloo group from torchrun's variables, train, leave."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    train_ddp(dist.get_rank(), dist.get_world_size(), **vars(args))
+    train_ddp(dist.get_rank(), dist.get_world_size(), **vars(args), **extra)
     dist.destroy_process_group()
+
+
+def main() -> None:
+    run_peer(arguments().parse_args())
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ on each host over gloo, and tear everything down afterwards, also on failure
 or Ctrl-C. Needs root and iproute2. Addresses are 198.18.0.1..H (RFC 2544's
 benchmark range) and exist only inside the namespaces.
 
-COMMAND is `train [convoy train options]` or `SCRIPT.py [args]` (any torchrun-
-style script, e.g. a torch DDP peer). Example:
+COMMAND is `train [convoy train options]`, `profile-nodes [options]` or
+`SCRIPT.py [args]` (any torchrun-style script, e.g. a torch DDP peer). Example:
 
   convoy bench cluster --hosts 4 --rate 100mbit -- train --model vgg_fc --steps 50
   convoy bench cluster --hosts 4 --rate 1gbit --racks 2 --inter-rack-rate 50mbit -- train
@@ -46,11 +46,11 @@ def _rank_command(command: list[str]) -> list[str]:
         command = command[1:]
     if not command:
         raise UsageError("give the command to run on every host: train [...] or SCRIPT.py [...]")
-    if command[0] == "train":
+    if command[0] in ("train", "profile-nodes"):
         return [sys.executable, "-m", "convoy", *command]
     if command[0].endswith(".py"):
         return [sys.executable, *command]
-    raise UsageError(f"unknown command {command[0]!r}; choose train or a SCRIPT.py")
+    raise UsageError(f"unknown command {command[0]!r}; choose train, profile-nodes or a SCRIPT.py")
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

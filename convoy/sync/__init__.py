@@ -1,7 +1,8 @@
 """Sync strategies: how a layer's local gradient becomes the gradient every rank applies."""
 from convoy.sync.allreduce import AllReduce, ring_allreduce_bytes
 from convoy.sync.base import PendingSync, SyncStrategy
+from convoy.sync.hierarchical import Hierarchical
 
-SYNC_NAMES = ("allreduce",)
+SYNC_NAMES = ("allreduce", "hierarchical", "ps")  # ps: a parallel layout of its own (convoy.parallel.ps)
 
-__all__ = ["SYNC_NAMES", "AllReduce", "PendingSync", "SyncStrategy", "ring_allreduce_bytes"]
+__all__ = ["SYNC_NAMES", "AllReduce", "Hierarchical", "PendingSync", "SyncStrategy", "ring_allreduce_bytes"]

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from convoy.compress import Compressor, IdentityCompressor, LayerInfo, Memory, NoMemory
 from convoy.engine.layers import Bucket
 from convoy.sync.base import Done, PendingSync, SyncStrategy
+from convoy.sync.rows import pack_row, row_extent, unpack_row
 
 
 def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
@@ -108,16 +109,11 @@ class AllReduce(SyncStrategy):
         return _PendingAllReduce(work, finish)
 
     def _all_gather(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any) -> PendingSync:
-        # Each rank's row: the byte size of each payload tensor (int64), the
-        # tensors' bytes, zero padding up to a width every rank agrees on.
-        parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in payload]
+        # Each rank's row (convoy.sync.rows), padded to a width every rank agrees on.
         dtypes = [t.dtype for t in payload]
-        sizes = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
-        head = sizes.numel() * sizes.element_size()
-        used = head + int(sizes.sum())
+        head, used = row_extent(payload)
         width = self._row_width(compressor, ctx, head, used)
-        mine = torch.zeros(width, dtype=torch.uint8)
-        torch.cat([sizes.view(torch.uint8), *parts], out=mine[:used])
+        mine = pack_row(payload, width)
         rows = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world_size)]
         work = dist.all_gather(rows, mine, group=self.group, async_op=True)
         moved = (self.world_size - 1) * width
@@ -126,13 +122,7 @@ class AllReduce(SyncStrategy):
         def finish() -> torch.Tensor:
             total = None
             for row in rows:
-                row_sizes = row[:head].clone().view(torch.int64).tolist()
-                if min(row_sizes) < 0 or head + sum(row_sizes) > width:
-                    raise RuntimeError(f"a peer's payload sizes {row_sizes} do not fit its row of {width} bytes")
-                pieces = row[head:head + sum(row_sizes)].split(row_sizes)
-                # clone: a slice at an odd byte offset cannot be viewed as wider values.
-                received = [piece.clone().view(dtype) for piece, dtype in zip(pieces, dtypes)]
-                dense = compressor.decompress(received, ctx)
+                dense = compressor.decompress(unpack_row(row, dtypes), ctx)
                 total = dense if total is None else total.add_(dense)
             return total.div_(self.world_size)
 

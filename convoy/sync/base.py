@@ -44,6 +44,14 @@ class SyncStrategy(ABC):
     def set_step(self, step: int) -> None:
         """The next exchange belongs to ``step`` (resuming); strategies with step-dependent behaviour override."""
 
+    def listeners(self) -> list:
+        """Engine listeners the strategy needs (hierarchical sync exchanges parameters as layers finish)."""
+        return []
+
+    def step_metrics(self, step: int) -> dict:
+        """Strategy-specific figures of ``step`` for the metrics file (none by default)."""
+        return {}
+
     def _count(self, sent: int, received: int) -> None:
         with self._lock:
             self.bytes_sent += int(sent)

@@ -1,0 +1,92 @@
+"""From profiles to clusters and servers, computed once on rank 0 and broadcast."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch.distributed as dist
+
+from convoy.cluster.clustering import cluster_vectors
+from convoy.cluster.election import Election
+from convoy.cluster.indicators import INDICATORS
+from convoy.cluster.normalise import IndicatorHistory
+from convoy.cluster.profile import NodeProfile, profile_job
+from convoy.cluster.profile_file import ProfileOverrides
+from convoy.errors import UsageError
+
+
+@dataclass
+class ClusterPlan:
+    """The job's nodes, their clusters and the rule that elects each cluster's server.
+
+    ``normalised[r]`` is rank r's indicators after normalisation, in the order
+    of ``INDICATORS``; k-means ran on them times ``weights``.
+
+    Example::
+
+        >>> plan = make_plan(profiles, weights, clusters="auto")
+        >>> plan.cluster_of(3), plan.servers(cycle=0)
+    """
+
+    profiles: list[NodeProfile]
+    weights: dict[str, float]
+    normalised: list[list[float]]
+    clusters: list[list[int]]
+    election: Election
+    history: IndicatorHistory = field(default_factory=IndicatorHistory)
+
+    def cluster_of(self, rank: int) -> int:
+        return next(index for index, members in enumerate(self.clusters) if rank in members)
+
+    def servers(self, cycle: int = 0) -> list[int]:
+        return self.election.servers(cycle)
+
+    def as_json(self) -> dict:
+        """The schema of ``convoy profile-nodes --json``."""
+        nodes = [{**p.as_dict(), "normalised": n, "cluster": self.cluster_of(p.rank)}
+                 for p, n in zip(self.profiles, self.normalised)]
+        return {"nodes": nodes, "weights": self.weights, "clusters": self.clusters, "servers": self.servers(0),
+                "server_choice": self.election.choice, "reelect_every": self.election.every}
+
+
+def make_plan(profiles: list[NodeProfile], weights: dict[str, float], clusters: int | str = "auto",
+              seed: int = 0, reelect_every: int = 1, server_choice: str = "random") -> ClusterPlan:
+    """Normalise, weight, cluster and set up the election; the same inputs give the same plan.
+
+    Args:
+        profiles: one per rank, in rank order.
+        weights: per indicator, >= 0 (see :func:`convoy.cluster.indicators.parse_weights`).
+        clusters: K or ``"auto"`` (see :func:`convoy.cluster.clustering.cluster_vectors`).
+        seed: k-means' random state and the election's order.
+        reelect_every: R, exchange cycles between elections.
+        server_choice: ``"random"`` or ``"capable"`` (see :class:`convoy.cluster.election.Election`).
+    """
+    history = IndicatorHistory()
+    rows = [p.values() for p in profiles]
+    history.record(rows)
+    normalised = [[history.normalise(row)[name] for name in INDICATORS] for row in rows]
+    scale = np.array([weights[name] for name in INDICATORS])
+    vectors = np.array(normalised) * scale
+    groups = cluster_vectors(vectors, clusters, seed)
+    capability = tuple(float(v) for v in vectors.sum(axis=1))
+    election = Election(groups, reelect_every, seed, server_choice, capability)
+    return ClusterPlan(profiles, dict(weights), normalised, groups, election, history)
+
+
+def plan_job(weights: dict[str, float], clusters: int | str = "auto", seed: int = 0, reelect_every: int = 1,
+             server_choice: str = "random", overrides: ProfileOverrides | None = None,
+             local_rank: int = 0) -> ClusterPlan:
+    """Profile every rank, plan on rank 0, broadcast: every rank returns the same plan; a collective."""
+    profiles = profile_job(overrides, local_rank)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    box: list = [None]
+    if rank == 0:
+        try:
+            box[0] = make_plan(profiles, weights, clusters, seed, reelect_every, server_choice)
+        except UsageError as exc:   # sent on, so every rank fails alike instead of waiting
+            box[0] = str(exc)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise UsageError(box[0])
+    return box[0]

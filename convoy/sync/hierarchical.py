@@ -1,0 +1,248 @@
+"""Hierarchical sync (seed 001): a temporary server per cluster every batch, clusters exchange every T batches.
+
+Inside an exchange cycle each cluster is a synchronous data-parallel group:
+every batch, each member sends its (compressed) gradient to the cluster's
+temporary server, which averages the cluster's gradients and sends the
+average back, so every member applies the same update. At the end of every
+T-th batch the servers exchange their clusters' parameters, combine them with
+contribution weights (:mod:`convoy.cluster.contribution`) and send the result
+to their members (:class:`CycleExchange`). Servers are re-elected every R
+cycles (:class:`convoy.cluster.election.Election`).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from convoy.cluster.contribution import ContributionHistory
+from convoy.cluster.plan import ClusterPlan
+from convoy.compress import Compressor, Memory
+from convoy.engine.layers import Bucket
+from convoy.sync.allreduce import AllReduce
+from convoy.sync.base import Done, PendingSync
+from convoy.sync.cycle import CycleExchange
+from convoy.sync.rows import pack_row, row_extent, unpack_row
+
+
+class _PendingStar(PendingSync):
+    """A star exchange in flight: done once every receive has completed."""
+
+    def __init__(self, works: list[Any], finish: Callable[[], torch.Tensor]):
+        self._works = works
+        self._finish = finish
+
+    def is_done(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            work.wait()
+        return self._finish()
+
+
+class _ClusterGroups:
+    """The process groups of one cluster: point-to-point gradients, parameters, and collectives.
+
+    Separate groups keep the three kinds of traffic, issued at different
+    moments of a step, from being matched against each other.
+    """
+
+    def __init__(self, members: list[int]):
+        self.members = members
+        self.grads = dist.new_group(members)
+        self.params = dist.new_group(members)
+        self.agree = dist.new_group(members)
+
+
+class Hierarchical(AllReduce):
+    """Cluster-wise synchronous data parallelism through rotating temporary servers.
+
+    Args:
+        plan: the clusters and their election, the same on every rank
+            (:func:`convoy.cluster.plan.plan_job`).
+        exchange_every: T, batches per exchange cycle; at the end of every T-th
+            batch the clusters' parameters are combined.
+        compressor, memory, warmup_steps: as for :class:`AllReduce`; members
+            compress the gradients they send to their server.
+        last_step: the job's last step, also an exchange, so that training ends
+            with one model on every rank whatever T (None: no such step).
+
+    Pass ``listeners=strategy.listeners()`` to the engine: the exchange runs
+    as each layer's update becomes final. Every rank of the default group must
+    construct it at the same point (it creates process groups).
+
+    Example::
+
+        >>> plan = plan_job(DEFAULT_WEIGHTS, clusters=2, reelect_every=4)
+        >>> sync = Hierarchical(plan, exchange_every=4)
+        >>> engine = Engine(model, torch.optim.SGD, sync, listeners=sync.listeners(), lr=0.05)
+    """
+
+    def __init__(self, plan: ClusterPlan, exchange_every: int, compressor: Compressor | None = None,
+                 memory: Memory | None = None, warmup_steps: int = 0, last_step: int | None = None):
+        if exchange_every < 1:
+            raise ValueError(f"exchange_every must be >= 1, got {exchange_every}")
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        # Every rank creates every cluster's groups, in the same order.
+        groups = [_ClusterGroups(members) for members in plan.clusters] if dist.is_initialized() else []
+        self.inter = dist.new_group() if dist.is_initialized() else None   # servers' point-to-point exchange
+        self.plan = plan
+        self.cluster = plan.cluster_of(self.rank)
+        self.members = plan.clusters[self.cluster]
+        self.groups = groups[self.cluster] if groups else None
+        super().__init__(self.groups.agree if self.groups else None, compressor, memory, warmup_steps)
+        self.world_size = len(self.members)
+        self.exchange_every = exchange_every
+        self.last_step = last_step
+        self.contributions = ContributionHistory([len(m) for m in plan.clusters])
+        self.exchange = CycleExchange(self)
+        self._step = 0
+        self._outgoing: list[tuple[Any, Any]] = []   # sends in flight and the buffers they read
+        self._metrics: dict[int, dict[str, Any]] = {}
+        self._metrics_lock = threading.Lock()
+
+    # ------------------------------------------------------------ the schedule
+    def cycle_of(self, step: int) -> int:
+        return step // self.exchange_every
+
+    def is_exchange_step(self, step: int) -> bool:
+        return (step + 1) % self.exchange_every == 0 or step == self.last_step
+
+    def servers(self, step: int) -> list[int]:
+        """Every cluster's server during ``step``."""
+        return self.plan.servers(self.cycle_of(step))
+
+    def server(self, step: int) -> int:
+        return self.servers(step)[self.cluster]
+
+    def listeners(self) -> list[CycleExchange]:
+        return [self.exchange]
+
+    # ------------------------------------------------------------- accounting
+    def count(self, step: int, where: str, sent: int, received: int) -> None:
+        """Count bytes of ``step`` moved inside (``"intra"``) or between (``"inter"``) clusters."""
+        self._count(sent, received)
+        with self._metrics_lock:
+            record = self._record(step)
+            record[f"{where}_cluster_bytes_sent"] += int(sent)
+            record[f"{where}_cluster_bytes_received"] += int(received)
+
+    def note(self, step: int, **values: Any) -> None:
+        """Attach ``values`` to ``step``'s metrics."""
+        with self._metrics_lock:
+            self._record(step).update(values)
+
+    def _record(self, step: int) -> dict[str, Any]:
+        if step not in self._metrics:
+            self._metrics[step] = {"cluster": self.cluster, "server": self.server(step),
+                                   **{f"{w}_cluster_bytes_{d}": 0 for w in ("intra", "inter")
+                                      for d in ("sent", "received")}}
+        return self._metrics[step]
+
+    def step_metrics(self, step: int) -> dict[str, Any]:
+        with self._metrics_lock:
+            record = self._record(step)
+            del self._metrics[step]
+            return record
+
+    # ------------------------------------------------------- gradient exchange
+    def start(self, bucket: Bucket, grad: torch.Tensor) -> PendingSync:
+        self._step = self._exchanges.get(bucket.index, self._first_step)
+        self.exchange.remember_start(bucket)
+        self._reap_sends()
+        return super().start(bucket, grad)
+
+    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any) -> PendingSync:
+        if len(self.members) == 1:
+            return Done(compressor.decompress(payload, ctx))
+        if compressor.summable:
+            return self._star_sum(compressor, payload, ctx)
+        return self._star_relay(compressor, payload, ctx)
+
+    def peers(self, server: int) -> list[int]:
+        """The members of this cluster other than ``server``."""
+        return [m for m in self.members if m != server]
+
+    def _star_sum(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any) -> PendingSync:
+        """Summable payloads: members send theirs; the server adds them in rank order and returns the sum."""
+        step, server, group = self._step, self.server(self._step), self.groups.grads
+        size = sum(t.numel() * t.element_size() for t in payload)
+        scale = len(self.members)
+        if self.rank != server:
+            replies = [torch.empty_like(t) for t in payload]
+            works = [dist.isend(t.contiguous(), server, group=group) for t in payload]
+            works += [dist.irecv(r, server, group=group) for r in replies]
+            self.count(step, "intra", size, size)
+            return _PendingStar(works, lambda: compressor.decompress(replies, ctx).div_(scale))
+        received = {peer: [torch.empty_like(t) for t in payload] for peer in self.peers(server)}
+        works = [dist.irecv(t, peer, group=group) for peer, ts in received.items() for t in ts]
+
+        def finish() -> torch.Tensor:
+            parts = [payload if m == self.rank else received[m] for m in self.members]
+            total = [t.clone() for t in parts[0]]
+            for tensors in parts[1:]:
+                for acc, t in zip(total, tensors):
+                    acc.add_(t)
+            for peer in received:
+                self._send(total, peer)
+            self.count(step, "intra", size * len(received), size * len(received))
+            return compressor.decompress([t.clone() for t in total], ctx).div_(scale)
+
+        return _PendingStar(works, finish)
+
+    def _star_relay(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any) -> PendingSync:
+        """Payloads that differ per rank: the server gathers the members' rows and relays
+        to each member the rows of the others; every member decodes all rows in rank order."""
+        step, server, group = self._step, self.server(self._step), self.groups.grads
+        dtypes = [t.dtype for t in payload]
+        head, used = row_extent(payload)
+        width = self._row_width(compressor, ctx, head, used)
+        mine = pack_row(payload, width)
+        peers = self.peers(server)
+        others = len(self.members) - 1
+
+        def average(rows: list[torch.Tensor]) -> torch.Tensor:
+            total = None
+            for row in rows:
+                dense = compressor.decompress(unpack_row(row, dtypes), ctx)
+                total = dense if total is None else total.add_(dense)
+            return total.div_(len(rows))
+
+        if self.rank != server:
+            relayed = torch.empty(others * width, dtype=torch.uint8)
+            works = [dist.isend(mine, server, group=group), dist.irecv(relayed, server, group=group)]
+            self.count(step, "intra", width, others * width)
+
+            def finish_member() -> torch.Tensor:
+                rows = list(relayed.split(width))
+                rows.insert(self.members.index(self.rank), mine)
+                return average(rows)
+
+            return _PendingStar(works, finish_member)
+        received = {peer: torch.empty(width, dtype=torch.uint8) for peer in peers}
+        works = [dist.irecv(row, peer, group=group) for peer, row in received.items()]
+
+        def finish_server() -> torch.Tensor:
+            rows = [mine if m == self.rank else received[m] for m in self.members]
+            for peer in peers:
+                self._send([torch.cat([row for m, row in zip(self.members, rows) if m != peer])], peer)
+            self.count(step, "intra", others * others * width, others * width)
+            return average(rows)
+
+        return _PendingStar(works, finish_server)
+
+    def _send(self, tensors: list[torch.Tensor], peer: int) -> None:
+        for t in tensors:
+            self._outgoing.append((dist.isend(t, peer, group=self.groups.grads), t))
+
+    def _reap_sends(self) -> None:
+        self._outgoing = [(work, t) for work, t in self._outgoing if not work.is_completed()]
+
+    def finish_sends(self) -> None:
+        """Wait for the server's replies still on the wire (before their buffers may go)."""
+        for work, _ in self._outgoing:
+            work.wait()
+        self._outgoing.clear()
