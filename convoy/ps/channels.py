@@ -1,0 +1,73 @@
+"""Channels: C process groups (separate connections) between each server and each worker.
+
+Each channel has a unique id; the channel -> priority map gives channel 0 the
+most urgent slices, channel C-1 the least, each carrying about 1/C of the
+bytes, so an urgent slice never queues in a socket behind bytes of a later
+layer already handed to the kernel.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch.distributed as dist
+
+from convoy.ps.roles import PSRoles
+
+
+class Channels:
+    """The process groups of every (server, worker, channel) triple this rank belongs to.
+
+    Every rank of the job must construct it, in the same order (creating a
+    process group is collective).
+
+    Args:
+        roles: who serves and who trains.
+        count: C, channels per server-worker pair.
+        rank: this process's global rank.
+
+    Example::
+
+        >>> channels = Channels(PSRoles(1, 3), count=2, rank=dist.get_rank())
+        >>> channels.id(0, 2, 1)
+        3
+    """
+
+    def __init__(self, roles: PSRoles, count: int, rank: int):
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        self.roles, self.count, self.rank = roles, count, rank
+        self._groups: dict[tuple[int, int, int], dist.ProcessGroup] = {}
+        for server in roles.server_ranks:
+            for worker in roles.workers:
+                for channel in range(count):
+                    group = dist.new_group([server, worker])
+                    if rank in (server, worker):
+                        self._groups[(server, worker, channel)] = group
+
+    def group(self, server: int, worker: int, channel: int) -> dist.ProcessGroup:
+        return self._groups[(server, worker, channel)]
+
+    def id(self, server: int, worker: int, channel: int) -> int:
+        """The channel's unique id in the job."""
+        return (server * self.roles.num_workers + self.roles.worker_index(worker)) * self.count + channel
+
+
+def channel_map(sizes_in_priority_order: Sequence[tuple[int, int]], channels: int) -> dict[int, int]:
+    """Channel of each transfer unit: contiguous priority classes carrying equal shares of bytes.
+
+    Args:
+        sizes_in_priority_order: (unit id, bytes), most urgent first.
+        channels: C.
+
+    Example::
+
+        >>> channel_map([(7, 10), (8, 10), (9, 20)], 2)
+        {7: 0, 8: 0, 9: 1}
+    """
+    total = sum(size for _, size in sizes_in_priority_order) or 1
+    mapping, before = {}, 0
+    for unit, size in sizes_in_priority_order:
+        # A unit's class is where the middle of its bytes falls.
+        mapping[unit] = min(channels - 1, int(channels * (before + size / 2) / total))
+        before += size
+    return mapping

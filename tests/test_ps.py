@@ -1,0 +1,182 @@
+"""Parameter-server building blocks in one process: slicing, sharding, priorities, channels, settings."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+from convoy.engine.layers import ForwardOrderRecorder
+from convoy.errors import UsageError
+from convoy.models import build_model
+from convoy.ps import PSRoles, PSSettings
+from convoy.ps.channels import channel_map
+from convoy.ps.priority import graph_priorities, timed_priorities
+from convoy.ps.routing import build_routing
+from convoy.ps.sharding import shard_layers
+from convoy.ps.slicing import cut, join, slice_table, split
+from convoy.ps.trace_graph import Op, OpGraph, model_layers, trace
+
+
+# ---------------------------------------------------------------- slicing
+@given(numel=st.integers(0, 5000), slice_numel=st.integers(1, 700))
+@settings(max_examples=200, deadline=None)
+def test_slicing_round_trip_is_exact(numel, slice_numel):
+    flat = torch.randn(numel)
+    pieces = slice_table([numel], slice_numel * 4)[0]
+    parts = split(flat, pieces)
+    assert all(p.numel() <= slice_numel for p in parts)
+    assert sum(p.numel() for p in parts) == numel
+    assert torch.equal(join(parts), flat)          # bit for bit, odd sizes included
+
+
+def test_cut_covers_odd_sizes_and_keeps_small_tensors_whole():
+    assert cut(10, 3) == [(0, 3), (3, 3), (6, 3), (9, 1)]
+    assert cut(7, None) == [(0, 7)]
+    assert cut(5, 5) == [(0, 5)]
+    table = slice_table([10, 1, 7], slice_bytes=12)
+    assert [p.id for pieces in table for p in pieces] == list(range(4 + 1 + 3))
+    with pytest.raises(ValueError):
+        cut(4, 0)
+
+
+# --------------------------------------------------------------- sharding
+def test_layers_are_sharded_by_bytes():
+    assert shard_layers([100, 10, 60, 50], servers=2) == [0, 0, 1, 1]   # 110 B each
+    model = build_model("vgg_fc", in_channels=1, num_classes=10)
+    sizes = [sum(p.numel() * 4 for p in params) for _, _, params in model_layers(model)]
+    owner = shard_layers(sizes, servers=2)
+    loads = [sum(s for s, o in zip(sizes, owner) if o == server) for server in (0, 1)]
+    assert abs(loads[0] - loads[1]) <= max(sizes)     # no better split moves a whole layer
+    assert shard_layers(sizes, servers=1) == [0] * len(sizes)
+
+
+# ------------------------------------------------------------- priorities
+def _forward_order(model: nn.Module, example: torch.Tensor) -> list[str]:
+    recorder = ForwardOrderRecorder(model)   # the engine's own record of forward order
+    with torch.no_grad():
+        model(example)
+    return [layer.name for layer in recorder.finish()]
+
+
+@pytest.mark.parametrize("name", ["lenet", "vgg_fc", "resnet18"])
+def test_graph_priorities_follow_forward_order_first_conv_first(name):
+    torch.manual_seed(0)
+    model = build_model(name, in_channels=1, num_classes=10)
+    example = torch.randn(2, 1, 32, 32)
+    graph = trace(model, example)
+    assert graph.method == "fx"
+    plan = graph_priorities(graph)
+    ordered = [graph.layer_names[i] for i in plan.order]
+    assert ordered == _forward_order(model, example)
+    first_conv = next(n for n, m in model.named_modules() if isinstance(m, nn.Conv2d))
+    assert ordered[0] == first_conv
+    priority = plan.parameter_priority(model)
+    assert priority[f"{first_conv}.weight"] == 0
+    assert sorted(set(priority.values())) == list(range(len(plan.order)))
+    assert plan.op_priority[f"recv:{first_conv}"] == 0
+
+
+def test_timed_priorities_equal_forward_order_on_a_chain():
+    model = build_model("lenet", in_channels=1, num_classes=10)
+    graph = trace(model, torch.randn(8, 1, 32, 32))
+    timed = timed_priorities(graph, bandwidth=12.5e6)
+    assert timed.order == graph_priorities(graph).order  # one op at a time can be unblocked
+    arrivals = [timed.value[i] for i in timed.order]
+    assert arrivals == sorted(arrivals) and arrivals[-1] < timed.upper_bound_s
+
+
+def test_timed_priorities_are_explained_by_run_and_transfer_times():
+    # Two independent branches joined at the end; program order runs a first.
+    # a: 400 B of parameters (4 s at 100 B/s), 0.1 s of compute.
+    # b: 100 B (1 s), 2.0 s of compute.
+    graph = OpGraph([Op("a", layers=[0], time_s=0.1), Op("b", layers=[1], time_s=2.0),
+                     Op("join", inputs=[0, 1], time_s=0.0)], ["a", "b"], [400, 100], "fx")
+    assert graph_priorities(graph).order == (0, 1)     # a is read first
+    timed = timed_priorities(graph, bandwidth=100.0)
+    # Johnson: b's transfer (1 s) is shorter than the compute it unblocks (2 s),
+    # a's (4 s) is longer than its 0.1 s, so b goes first: b computes 1-3 s while
+    # a's parameters arrive at 5 s; the forward ends at 5.1 s instead of 7 s.
+    assert timed.order == (1, 0)
+    assert timed.value == (5.0, 1.0)                   # when each transfer ends
+    assert timed.upper_bound_s == pytest.approx(2.1 + 5.0)  # no overlap at all
+    assert timed.op_priority == {"recv:b": 0, "recv:a": 1}
+
+
+class _Branchy(nn.Module):
+    """Data-dependent control flow: torch.fx cannot trace it."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Conv2d(1, 2, 3)
+        self.second = nn.Linear(2 * 30 * 30, 10)
+
+    def forward(self, x):
+        h = self.first(x)
+        if h.sum() > -1e9:
+            h = h.relu()
+        return self.second(h.flatten(1))
+
+
+def test_untraceable_models_fall_back_to_forward_hooks():
+    model = _Branchy()
+    graph = trace(model, torch.randn(2, 1, 32, 32))
+    assert graph.method == "hooks"
+    assert [graph.layer_names[i] for i in graph_priorities(graph).order] == ["first", "second"]
+
+
+# ------------------------------------------------------ channels, routing
+def test_channels_take_contiguous_priority_classes_of_equal_bytes():
+    assert channel_map([(7, 10), (8, 10), (9, 20)], 2) == {7: 0, 8: 0, 9: 1}
+    assert set(channel_map([(i, 5) for i in range(8)], 1).values()) == {0}
+    mapping = channel_map([(i, 1) for i in range(9)], 3)
+    assert [mapping[i] for i in range(9)] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def test_routing_orders_slices_by_layer_priority_then_position():
+    model = build_model("vgg_fc", in_channels=1, num_classes=10)
+    plan = graph_priorities(trace(model, torch.randn(2, 1, 32, 32)))
+    numels = [sum(p.numel() for p in params) for _, _, params in model_layers(model)]
+    routing = build_routing(numels, plan, PSSettings(servers=2, channels=3, slice_bytes=64 * 1024))
+    ordered = sorted(routing.priority, key=routing.priority.__getitem__)
+    assert routing.slice(ordered[0]).layer == plan.order[0] and routing.slice(ordered[0]).part == 0
+    channels = [routing.channel[sid] for sid in ordered]
+    assert channels == sorted(channels) and set(channels) == {0, 1, 2}
+    assert set(routing.owner) == {0, 1}
+
+
+# ---------------------------------------------------------------- settings
+def test_settings_resolve_per_mode_and_reject_bad_values():
+    fifo = PSSettings.resolve(servers=1, priority="fifo")
+    assert (fifo.channels, fifo.slice_bytes, fifo.credit_bytes) == (1, None, None)
+    graph = PSSettings.resolve(servers=2, priority="graph", slice_kb=1.5)
+    assert graph.slice_bytes == 1536 and graph.credit_bytes == 1024 * 1024
+    for kwargs, message in [({"channels": 0}, "--channels must be >= 1"), ({"slice_kb": 0}, "--slice-kb must be > 0"),
+                            ({"credit_kb": -1}, "--credit-kb must be > 0"), ({"priority": "lifo"}, "choose one of")]:
+        with pytest.raises(UsageError, match=message):
+            PSSettings.resolve(**kwargs)
+    with pytest.raises(UsageError, match="must be smaller than the number of processes"):
+        PSRoles(servers=3, world_size=3)
+    assert PSRoles(2, 5).workers == [2, 3, 4]
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--servers", "3", "--nproc", "3"], "--servers (3) must be smaller than the number of processes (3)"),
+    (["--channels", "0"], "--channels must be >= 1"),
+    (["--slice-kb", "0"], "--slice-kb must be > 0"),
+    (["--credit-kb", "-4"], "--credit-kb must be > 0"),
+    (["--priority", "lifo"], "unknown --priority 'lifo'"),
+])
+def test_bad_ps_input_is_one_line_and_exit_2(args, expected, capsys):
+    from convoy.cli.main import main
+
+    assert main(["train", "--sync", "ps", *args]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines == [lines[0]] and lines[0].startswith("convoy: error: ") and expected in lines[0]
+
+
+def test_ps_options_need_sync_ps(capsys):
+    from convoy.cli.main import main
+
+    assert main(["train", "--servers", "1"]) == 2
+    assert "need --sync ps" in capsys.readouterr().err
