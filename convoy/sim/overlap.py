@@ -1,0 +1,144 @@
+"""convoy's engine, step after step, as a timeline: where communication hides behind compute.
+
+The main thread runs forward (layer l waits for layer l's update from the
+previous step) and then backward, which makes gradients ready in reverse
+order. The auxiliary thread walks the exchanges in one fixed order: it waits
+until an exchange's layers are ready, compresses, starts the exchange on its
+channel (the wire serves one exchange at a time, in order), and applies the
+updates of exchanges that have ended whenever it looks up; after starting
+the last one it finishes the rest in order. ``barrier=True`` is torch DDP
+instead: buckets are all-reduced as they fill, and one optimizer step on the
+main thread after backward and every all-reduce, before the next forward.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+# Steps simulated; the last one's period is the steady state (the pipeline
+# settles after one step, since every gate is at most one step back).
+_STEPS = 4
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One exchange in the engine's fixed order.
+
+    Args:
+        layers: indices (forward order) of the layers it carries, updated when it ends.
+        wire_s: seconds it occupies its channel.
+        codec_s: seconds of compression on the auxiliary thread before it starts.
+        channel: exchanges on different channels (separate links) do not wait for each other.
+        reply_s: seconds of a second stage on the channel's other direction once
+            the first ends (a server's reply: reduce in, then broadcast out).
+    """
+
+    layers: tuple[int, ...]
+    wire_s: float
+    codec_s: float = 0.0
+    channel: int = 0
+    reply_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """One steady-state step.
+
+    Attributes:
+        step_s: period between consecutive steps.
+        compute_s: the main thread's work (forward, backward, and with a barrier
+            the update): the step with free communication.
+        aux_s: the auxiliary thread's work (updates and compression).
+        wire_s: seconds the exchanges occupy their channels (hidden or not).
+        forward_wait_s: how long the next forward waited for updates.
+    """
+
+    step_s: float
+    compute_s: float
+    aux_s: float
+    wire_s: float
+    forward_wait_s: float
+
+
+def simulate(forward: Sequence[float], backward: Sequence[float], update: Sequence[float],
+             exchanges: Sequence[Exchange], barrier: bool = False) -> Timeline:
+    """The steady-state step of the engine (or of DDP with ``barrier=True``).
+
+    Example::
+
+        >>> simulate([1, 1], [2, 2], [0, 0], [Exchange((1,), 0.5), Exchange((0,), 0.5)]).step_s
+        6.5
+    """
+    n = len(forward)
+    if not (len(backward) == len(update) == n) or sorted(l for e in exchanges for l in e.layers) != list(range(n)):
+        raise ValueError("every layer needs a forward, backward and update time and exactly one exchange")
+    updated = [0.0] * n            # when each layer's previous update ended
+    main = aux = 0.0
+    channels: dict[tuple[int, int], float] = {}
+    starts, waits = [], []
+    for _ in range(_STEPS):
+        starts.append(main)
+        t, waited = main, 0.0
+        for l in range(n):
+            waited += max(0.0, updated[l] - t)
+            t = max(t, updated[l]) + forward[l]
+        waits.append(waited)
+        ready = [0.0] * n
+        for l in reversed(range(n)):
+            t += backward[l]
+            ready[l] = t
+        if barrier:
+            main, updated = _ddp_step(t, ready, update, exchanges, channels)
+        else:
+            main = t
+            aux, updated = _aux_step(aux, ready, update, exchanges, channels)
+    main_work = sum(forward) + sum(backward)
+    return Timeline(step_s=starts[-1] - starts[-2], compute_s=main_work + (sum(update) if barrier else 0.0),
+                    aux_s=(0.0 if barrier else sum(update)) + sum(e.codec_s for e in exchanges),
+                    wire_s=sum(e.wire_s + e.reply_s for e in exchanges), forward_wait_s=waits[-1])
+
+
+def _start(exchange: Exchange, now: float, channels: dict[tuple[int, int], float]) -> float:
+    """Put ``exchange`` on its channel at ``now`` or when the channel frees up; return its end."""
+    end = now
+    for direction, seconds in enumerate((exchange.wire_s, exchange.reply_s)):
+        if seconds or not direction:
+            key = (exchange.channel, direction)
+            end = max(end, channels.get(key, 0.0)) + seconds
+            channels[key] = end
+    return end
+
+
+def _aux_step(aux: float, ready: list[float], update: Sequence[float], exchanges: Sequence[Exchange],
+              channels: dict[tuple[int, int], float]) -> tuple[float, list[float]]:
+    updated = [0.0] * len(ready)
+    in_flight: deque[tuple[Exchange, float]] = deque()
+
+    def finish(exchange: Exchange, now: float) -> float:
+        for l in exchange.layers:
+            now += update[l]
+            updated[l] = now
+        return now
+
+    now = aux
+    for exchange in exchanges:
+        now = max([now] + [ready[l] for l in exchange.layers]) + exchange.codec_s
+        in_flight.append((exchange, _start(exchange, now, channels)))
+        while in_flight and in_flight[0][1] <= now:   # is_done() polled after each start
+            now = finish(in_flight.popleft()[0], now)
+    while in_flight:
+        exchange, end = in_flight.popleft()
+        now = finish(exchange, max(now, end))
+    return now, updated
+
+
+def _ddp_step(backward_end: float, ready: list[float], update: Sequence[float],
+              exchanges: Sequence[Exchange], channels: dict[tuple[int, int], float]) -> tuple[float, list[float]]:
+    end = backward_end
+    for exchange in exchanges:
+        # DDP launches a bucket's all-reduce from the autograd hook, on the main
+        # thread: codec time (PowerSGD's matmuls) delays backward too, ignored here.
+        end = max(end, _start(exchange, max(ready[l] for l in exchange.layers) + exchange.codec_s, channels))
+    done = end + sum(update)
+    return done, [done] * len(ready)

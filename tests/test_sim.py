@@ -1,0 +1,242 @@
+"""The scaling simulator: closed-form collectives, the engine's overlap, byte counts, profiles, the CLI."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from convoy.cli.main import main
+from convoy.errors import UsageError
+from convoy.sim.cluster import Cluster, load_cluster
+from convoy.sim.codec import Compression
+from convoy.sim.network import Link, ring_allgather, ring_allreduce, via_server
+from convoy.sim.overlap import Exchange, simulate
+from convoy.sim.profile import LayerProfile, ModelProfile, load_profile, profile_model
+from convoy.sim.strategies import DDP, AllReduce, Hierarchical, Hybrid, ParameterServer
+from convoy.sim.strategies.ps import Message, schedule
+from convoy.sync.allreduce import ring_allreduce_bytes
+
+
+@pytest.fixture(scope="module")
+def lenet():
+    return profile_model("lenet", batch_size=8, repeats=2)
+
+
+def toy(compute: float = 0.01, params: int = 1_000_000) -> ModelProfile:
+    """Two small conv layers and an FC head of ``params``; ``compute`` s forward per layer, 2x backward."""
+    shapes = [((params // 1000, 10, 10),), ((params // 1000, 10, 10),), ((1000, params // 1000), (1000,))]
+    layers = tuple(LayerProfile(f"l{i}", s, compute, 2 * compute, compute / 10, head=i == 2)
+                   for i, s in enumerate(shapes))
+    return ModelProfile("toy", layers, batch_size=16, activation_bytes=400)
+
+
+# ----------------------------------------------------------------- network
+def test_ring_allreduce_is_the_bandwidth_optimal_closed_form():
+    link = Link(bytes_per_s=12.5e6, latency_s=0.0)
+    assert ring_allreduce(10e6, 4, link) == pytest.approx(2 * 3 / 4 * 10e6 / 12.5e6)   # 1.2 s
+    assert ring_allreduce(10e6, 1, link) == 0.0
+    with_latency = Link(12.5e6, latency_s=1e-3)
+    assert ring_allreduce(10e6, 4, with_latency) == pytest.approx(1.2 + 2 * 3 * 1e-3)
+    assert ring_allgather(1e6, 4, link) == pytest.approx(3 * 1e6 / 12.5e6)
+    assert via_server(1e6, 4, link) == pytest.approx(3 * 1e6 / 12.5e6)
+
+
+def test_calibration_allreduce_within_five_percent_of_the_emulated_cluster():
+    # bench/results/cluster_allreduce_100mbit_4.json: 10 MB over 4 hosts at 100 Mbit took 1.283 s.
+    predicted = ring_allreduce(10e6, 4, Cluster(4, 100e6).ring_link())
+    assert predicted == pytest.approx(1.283, rel=0.05)
+    assert predicted > 1.2   # TCP/IP framing: slower than the payload-only bound
+
+
+@pytest.mark.parametrize("bad", [0.0, -1e6])
+def test_zero_or_negative_bandwidth_is_an_error(bad):
+    with pytest.raises(UsageError):
+        Link(bad)
+    with pytest.raises(UsageError):
+        Link.from_bits(bad)
+    with pytest.raises(UsageError):
+        Cluster(4, bad)
+    with pytest.raises(UsageError):
+        Cluster(4, 1e9, racks=2, inter_rack_bps=bad)
+
+
+def test_racks_make_the_inter_rack_link_the_ring_bottleneck():
+    flat, racked = Cluster(4, 1e9), Cluster(4, 1e9, racks=2, inter_rack_bps=1e8)
+    assert racked.ring_link().bytes_per_s == pytest.approx(flat.ring_link().bytes_per_s / 10)
+
+
+# ----------------------------------------------------------------- overlap
+def test_perfect_overlap_step_equals_compute():
+    # Late layers' exchanges hide behind the backward of earlier ones; layer 0's is free.
+    fwd, bwd = [1.0, 1.0, 1.0], [2.0, 2.0, 2.0]
+    t = simulate(fwd, bwd, [0, 0, 0], [Exchange((2,), 1.5), Exchange((1,), 1.5), Exchange((0,), 0.0)])
+    assert t.step_s == pytest.approx(9.0)
+    assert t.forward_wait_s == pytest.approx(0.0)
+
+
+def test_exposed_communication_closed_forms():
+    fwd, bwd = [1.0, 1.0], [2.0, 2.0]
+    # Layer 0's exchange is always exposed: the next forward needs it first.
+    assert simulate(fwd, bwd, [0, 0], [Exchange((1,), 0.5), Exchange((0,), 0.5)]).step_s == pytest.approx(6.5)
+    # Communication-bound: forward 0, forward 1, backward 1, then both exchanges in a row.
+    assert simulate(fwd, bwd, [0, 0], [Exchange((1,), 5), Exchange((0,), 5)]).step_s == pytest.approx(14.0)
+    # DDP: compute, then the one bucket's all-reduce, then the update.
+    assert simulate(fwd, bwd, [0.5, 0.5], [Exchange((0, 1), 5)], barrier=True).step_s == pytest.approx(12.0)
+
+
+def test_layerwise_updates_hide_where_a_barrier_pays_them_all():
+    # Layer 0 is exchanged last in both, so only the updates differ: the engine
+    # applies each as its exchange ends (only layer 0's is in the way), DDP all after.
+    fwd, bwd, upd = [1.0] * 4, [2.0] * 4, [0.5] * 4
+    exchanges = [Exchange((i,), 1.0) for i in reversed(range(4))]
+    assert simulate(fwd, bwd, upd, exchanges).step_s == pytest.approx(13.5)
+    assert simulate(fwd, bwd, upd, exchanges, barrier=True).step_s == pytest.approx(15.0)
+
+
+def test_every_layer_needs_exactly_one_exchange():
+    with pytest.raises(ValueError):
+        simulate([1, 1], [1, 1], [0, 0], [Exchange((0,), 1)])
+
+
+# -------------------------------------------------------------- strategies
+def test_sent_bytes_match_the_measured_lenet_traffic(lenet):
+    # bench/results/compression_accuracy.json, lenet, 4 workers: kB sent per step.
+    cluster = Cluster(4, 1e9)
+    assert AllReduce().step_time(lenet, cluster).sent_bytes == sum(
+        ring_allreduce_bytes(l.nbytes, 4) for l in lenet.layers) == 496956
+    assert AllReduce(Compression("topk", 0.01)).step_time(lenet, cluster).sent_bytes == 20112
+    assert AllReduce(Compression("blocktopk", blocks_per_layer=1)).step_time(lenet, cluster).sent_bytes == 12438
+    assert AllReduce(Compression("fp16")).step_time(lenet, cluster).sent_bytes == 496956 // 2
+
+
+def test_fast_links_approach_compute_and_slow_links_are_bandwidth_bound():
+    p = toy()
+    fast = AllReduce().step_time(p, Cluster(4, 1e12))
+    assert fast.step_s == pytest.approx(p.compute_s - sum(l.update_s for l in p.layers), rel=0.02)
+    slow = AllReduce().step_time(p, Cluster(4, 1e6))
+    assert slow.step_s >= slow.wire_s > 100 * p.compute_s
+
+
+def test_compression_helps_only_where_bandwidth_is_short():
+    p = toy(params=4_000_000)
+    slow, fast = Cluster(8, 100e6), Cluster(8, 1e12)
+    dense, topk = AllReduce(), AllReduce(Compression("topk", 0.01))
+    assert topk.step_time(p, slow).step_s < dense.step_time(p, slow).step_s / 5
+    assert topk.step_time(p, fast).step_s > dense.step_time(p, fast).step_s   # selection costs CPU
+
+
+def test_hierarchical_spreads_the_cycle_exchange_over_T_steps():
+    p, cluster = toy(), Cluster(4, 1e9, racks=2, inter_rack_bps=1e8)
+    every, rarely = Hierarchical(2, 1).step_time(p, cluster), Hierarchical(2, 20).step_time(p, cluster)
+    cycle = every.notes["cycle_exchange_s"]
+    assert every.step_s - rarely.step_s == pytest.approx(cycle * (1 - 1 / 20))
+    assert rarely.step_s < AllReduce().step_time(p, cluster).step_s   # the slow link is used rarely
+
+
+def test_ps_priority_lets_the_next_forward_start_early():
+    ends, free = schedule([Message(0, 0.0, 2.0, (1,)), Message(1, 0.0, 1.0, (0,))], 0.0)
+    assert ends == [3.0, 1.0] and free == 3.0
+    p, cluster = toy(compute=0.05), Cluster(3, 1e8)
+    graph = ParameterServer(1, "graph", 64).step_time(p, cluster)
+    fifo = ParameterServer(1, "fifo", None).step_time(p, cluster)
+    assert graph.step_s < fifo.step_s
+    assert graph.notes["workers"] == 2
+
+
+def test_hybrid_sends_activations_not_the_head():
+    p, cluster = toy(params=4_000_000), Cluster(4, 100e6)
+    hybrid = Hybrid(3, 1).step_time(p, cluster)
+    dense = AllReduce().step_time(p, cluster)
+    assert hybrid.sent_bytes < dense.sent_bytes / 5   # the conv layers are a sixth of the model
+    with pytest.raises(UsageError):
+        Hybrid(2, 1).step_time(p, cluster)   # 3 nodes, not 4
+
+
+def test_ddp_buckets_and_powersgd_factor_sizes():
+    from convoy.sim.strategies.ddp import ddp_buckets, powersgd_floats
+
+    assert powersgd_floats((1024, 2048), 1) == (0, 1024 + 2048)
+    assert powersgd_floats((10,), 1) == (10, 0)
+    assert powersgd_floats((4, 4), 4) == (16, 0)   # factors no smaller than the matrix
+    p = toy()
+    assert sorted(i for b in ddp_buckets(p.layers) for i in b) == [0, 1, 2]
+    assert DDP(1).step_time(p, Cluster(4, 1e8)).sent_bytes < DDP().step_time(p, Cluster(4, 1e8)).sent_bytes / 10
+
+
+def test_shared_cores_slow_compute_and_charge_side_work():
+    p = toy()
+    alone, shared = AllReduce().step_time(p, Cluster(4, 1e9)), AllReduce().step_time(p, Cluster(4, 1e9, cores=0.5))
+    assert shared.compute_s == pytest.approx(2 * alone.compute_s)
+    assert shared.notes["cpu_stolen_s"] > 0 and "cpu_stolen_s" not in alone.notes
+
+
+# ---------------------------------------------------------------- profiles
+def test_profile_of_lenet_follows_forward_order(lenet, tmp_path):
+    assert [l.name for l in lenet.layers] == ["features.0", "features.3", "classifier.1", "classifier.3",
+                                              "classifier.5"]
+    assert [l.head for l in lenet.layers] == [False, False, True, True, True]
+    assert lenet.params == 82826 and lenet.activation_bytes == 16 * 6 * 6 * 4
+    assert all(l.forward_s > 0 and l.backward_s >= 0 for l in lenet.layers)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(lenet.to_json()))
+    assert load_profile(path) == lenet
+    assert lenet.at_batch(16).layers[0].forward_s == pytest.approx(2 * lenet.layers[0].forward_s)
+
+
+def test_bad_profile_and_cluster_files(tmp_path):
+    with pytest.raises(UsageError, match="does not exist"):
+        load_profile(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text('{"layers": [{"name": "x"}]}')
+    with pytest.raises(UsageError):
+        load_profile(tmp_path / "bad.json")
+    (tmp_path / "c.toml").write_text('nodes = 4\nrate = "0mbit"\n')
+    with pytest.raises(UsageError):
+        load_cluster(tmp_path / "c.toml")
+    (tmp_path / "d.toml").write_text('nodes = 4\nrate = "1gbit"\nbandwidth = 3\n')
+    with pytest.raises(UsageError, match="unknown cluster keys"):
+        load_cluster(tmp_path / "d.toml")
+
+
+def test_cluster_files_in_both_formats(tmp_path):
+    (tmp_path / "c.toml").write_text('nodes = 4\nrate = "100mbit"\nracks = 2\ninter_rack_rate = "10mbit"\n'
+                                     'latency_ms = 0.5\ncores = 0.5\n')
+    c = load_cluster(tmp_path / "c.toml")
+    assert (c.nodes, c.rate_bps, c.racks, c.inter_rack_bps, c.latency_s, c.cores) == (4, 1e8, 2, 1e7, 5e-4, 0.5)
+    nodes = [{"rank": r, "host": f"h{r}", "cpu_mhz": 2000 if r < 3 else 1000, "memory_gb": 8, "gpu_mhz": 0,
+              "gpu_memory_gb": 0, "disk_mbps": 500, "uplink_mbps": 1000 if r else 100} for r in range(4)]
+    (tmp_path / "n.json").write_text(json.dumps({"nodes": nodes, "clusters": [[0, 1], [2, 3]], "servers": [0, 2]}))
+    n = load_cluster(tmp_path / "n.json")
+    assert (n.nodes, n.rate_bps, n.racks) == (4, 1e8, 2)
+    assert n.speeds == (1.0, 1.0, 1.0, 0.5) and n.slowdown == 2.0
+
+
+# --------------------------------------------------------------------- CLI
+def _write_toy(tmp_path) -> str:
+    path = tmp_path / "toy.json"
+    path.write_text(json.dumps(toy().to_json()))
+    return str(path)
+
+
+def test_simulate_cli_table_and_json(tmp_path, capsys):
+    profile = _write_toy(tmp_path)
+    assert main(["simulate", "--profile", profile, "--batch-size", "16", "--nodes", "4", "--rate", "100mbit"]) == 0
+    out = capsys.readouterr().out
+    assert "allreduce topk 0.01" in out and "hybrid 3+1" in out and "ddp powersgd 1" in out
+    assert main(["simulate", "--profile", profile, "--batch-size", "16", "--strategy", "allreduce", "ps",
+                 "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["strategy"] for r in rows] == ["allreduce", "ps S=1 graph slice 256kB"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rate", "0mbit"], "bad link rate"),
+    (["--rate=-5gbit"], "bad link rate"),
+    (["--strategy", "gossip"], "unknown strategy 'gossip'"),
+    (["--cluster", "/nonexistent/cluster.toml"], "does not exist"),
+    (["--profile", "/nonexistent/p.json"], "does not exist"),
+    (["--nodes", "0"], "at least one node"),
+])
+def test_simulate_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
+    assert main(["simulate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("convoy: error: ") and message in err and err.count("\n") == 1
