@@ -5,7 +5,8 @@
 Each row is one `convoy train` run on loopback with the same global batch (48
 samples: 4 x 12 for data parallelism, 3 x 16 for hybrid 3+1, 2 x 24 for 2+2).
 Per worker and step it reports the bytes of the gradient rings (the engine's
-all-reduce payloads) and of the conv<->FC link, and the median step time, and
+all-reduce payloads) and of the conv<->FC link, the median step time, and the
+peak resident memory of the conv (or data-parallel) and FC ranks, and
 writes bench/results/hybrid.{json,md}. Time to accuracy on a shaped cluster:
 bench/time_to_accuracy.py --strategies dense hybrid-3+1 hybrid-2+2.
 """
@@ -26,7 +27,10 @@ LAYOUTS = {
     "data 4": ["--batch-size", "12"],
     "hybrid 3+1": ["--batch-size", "16", "--parallel", "hybrid", "--conv-workers", "3", "--fc-workers", "1"],
     "hybrid 2+2": ["--batch-size", "24", "--parallel", "hybrid", "--conv-workers", "2", "--fc-workers", "2"],
+    "hybrid 3+1 K=4": ["--batch-size", "16", "--parallel", "hybrid", "--conv-workers", "3", "--fc-workers", "1",
+                       "--sub-batches", "4"],
 }
+CONV_RANKS = {"hybrid 3+1": 3, "hybrid 2+2": 2, "hybrid 3+1 K=4": 3}
 
 
 def _run(model: str, layout: str, steps: int, out: Path) -> dict:
@@ -43,7 +47,10 @@ def _run(model: str, layout: str, steps: int, out: Path) -> dict:
     ring = [statistics.mean(r["bytes_sent"] for r in steps) for steps in per_rank]
     link = [statistics.mean(r.get("link_bytes_sent", 0) for r in steps) for steps in per_rank]
     step_s = statistics.median(max(steps[i]["wall_s"] for steps in per_rank) for i in range(len(per_rank[0])))
-    return {"model": model, "layout": layout, "ring_MB/step/worker": statistics.mean(ring) / 1e6,
+    peak = [steps[-1]["peak_rss_mb"] for steps in per_rank]
+    convs = CONV_RANKS.get(layout, 4)
+    return {"peak_MB_conv_or_data": max(peak[:convs]), "peak_MB_fc": max(peak[convs:], default=None),
+            "model": model, "layout": layout, "ring_MB/step/worker": statistics.mean(ring) / 1e6,
             "link_MB/step/worker": statistics.mean(link) / 1e6,
             "total_MB/step/worker": (statistics.mean(ring) + statistics.mean(link)) / 1e6,
             "max_MB/step/worker": max(r + l for r, l in zip(ring, link)) / 1e6, "step_s": step_s}
@@ -65,7 +72,8 @@ def main() -> None:
                 if row["model"] == model:
                     row["bytes_vs_data"] = row["total_MB/step/worker"] / data["total_MB/step/worker"]
     save("hybrid", vars(args), rows, ["model", "layout", "ring_MB/step/worker", "link_MB/step/worker",
-                                      "total_MB/step/worker", "max_MB/step/worker", "bytes_vs_data", "step_s"])
+                                      "total_MB/step/worker", "max_MB/step/worker", "bytes_vs_data", "step_s",
+                                      "peak_MB_conv_or_data", "peak_MB_fc"])
 
 
 if __name__ == "__main__":

@@ -28,11 +28,11 @@ def _build(name: str) -> nn.Module:
     return _sequential_cnn() if name == "sequential" else _model(name)
 
 
-def _hybrid_worker(rank: int, world: int, conv: int, fc: int, name: str, batch: int):
+def _hybrid_worker(rank: int, world: int, conv: int, fc: int, name: str, batch: int, sub_batches: int):
     roles = HybridRoles(conv, fc)
     layout = HybridParallel(_build(name), roles, rank, (1, 32, 32),
                             lambda part, group: Engine(part, torch.optim.SGD, AllReduce(group),
-                                                       lr=LR, momentum=MOMENTUM))
+                                                       lr=LR, momentum=MOMENTUM), sub_batches=sub_batches)
     batches = _batches(conv, layout.data_rank, batch, STEPS)
     per_step = []
     for x, y in batches:
@@ -60,11 +60,11 @@ def _reference(name: str, union_batch: int) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("conv,fc,name", [(2, 1, "vgg_fc"), (2, 2, "vgg_fc"), (4, 2, "lenet"),
-                                          (2, 1, "sequential")])
-def test_hybrid_step_equals_one_process_on_the_union_batch(conv, fc, name):
-    batch = 4
-    results = run_workers(_hybrid_worker, conv + fc, conv, fc, name, batch)
+@pytest.mark.parametrize("conv,fc,name,sub_batches", [(2, 1, "vgg_fc", 1), (2, 2, "vgg_fc", 1), (4, 2, "lenet", 1),
+                                                      (2, 1, "sequential", 1), (2, 1, "vgg_fc", 3)])
+def test_hybrid_step_equals_one_process_on_the_union_batch(conv, fc, name, sub_batches):
+    batch = 4   # with 3 sub-batches: pieces of 2, 1 and 1 samples
+    results = run_workers(_hybrid_worker, conv + fc, conv, fc, name, batch, sub_batches)
     reference = _reference(name, conv * batch)
     state = results[0][1]
     for key, value in reference.state_dict().items():

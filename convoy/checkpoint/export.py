@@ -13,6 +13,7 @@ Example::
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +35,55 @@ def _model_files(directory: Path) -> list[Path]:
     return files
 
 
+@dataclass
+class _Part:
+    """One model file's share of the newest step every file holds."""
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    states: dict[str, dict]
+    order: list[str]
+    hyper: dict[str, Any]
+    step: int
+    epoch: int
+
+
 def export_checkpoint(directory: str | Path, out: str | Path) -> dict[str, Any]:
     """Write the newest valid checkpoint in ``directory`` as a plain torch file ``out``; return it.
 
-    Buffers (batch-norm statistics) come from rank 0's state file when it holds the same step.
+    Every model file takes part: in hybrid parallelism each group wrote its own
+    layers (under their names in the whole model), on several nodes each node
+    wrote a copy. The step exported is the newest one valid in all of them.
+    Buffers (batch-norm statistics) come from each writer's state file when it
+    holds the same step.
 
     Raises:
-        UsageError: no checkpoint, or none of its areas is valid.
+        UsageError: no checkpoint, or no step is valid in every model file.
     """
-    path = _model_files(Path(directory))[0]
+    paths = _model_files(Path(directory))
+    valid = {path: _valid_steps(path) for path in paths}
+    common = set.intersection(*(set(steps) for steps in valid.values()))
+    if not common:
+        raise UsageError(f"no step of {directory} is valid in every model file: " + "; ".join(
+            f"{path.name}: steps {sorted(steps) or 'none'}" for path, steps in valid.items()))
+    parts = [_read_part(path, max(common)) for path in paths]
+    model: dict[str, torch.Tensor] = {}
+    optimizers, order = [], []
+    for part in parts:
+        model.update(part.params)
+        model.update(part.buffers)
+        for name in part.order:
+            if name not in order:   # copies from other nodes repeat the same layers
+                order.append(name)
+                optimizers.append({"state": part.states[name], "param_groups": [
+                    {**part.hyper, "params": list(range(_count_params(part.params, name)))}]})
+    result = {"model": model, "optimizers": optimizers, "layers": order,
+              "step": parts[0].step, "epoch": parts[0].epoch}
+    torch.save(result, out)
+    return result
+
+
+def _valid_steps(path: Path) -> list[int]:
     try:
         store = Store.open(path)
     except FormatError as exc:
@@ -52,21 +93,38 @@ def export_checkpoint(directory: str | Path, out: str | Path) -> dict[str, Any]:
         valid = valid_steps(reports)
         if not valid:
             raise UsageError(f"no valid area in {path}: " + "; ".join(r.describe() for r in reports))
-        chosen = valid[max(valid)]
+        return list(valid)
+    finally:
+        store.close()
+
+
+def _read_part(path: Path, step: int) -> _Part:
+    store = Store.open(path)
+    try:
+        chosen = valid_steps(scan(store))[step]
         params, states = state_dict_of(store, chosen.area)
         record = chosen.record
     finally:
         store.close()
-    model = {**params, **_rank0_buffers(Path(directory), record.step)}
-    hyper = record.extra.get("hyper", {})
+    writer = path.name[len("model-rank"):-len(".ckpt")]
+    buffers = _buffers(path.parent / f"state-rank{writer}.ckpt", step)
+    names = record.extra.get("full_names")
     order = record.extra.get("forward_order") or list(states)
-    optimizers = [{"state": states[name],
-                   "param_groups": [{**hyper, "params": list(range(_count_params(params, name)))}]}
-                  for name in order]
-    result = {"model": model, "optimizers": optimizers, "layers": order,
-              "step": record.step, "epoch": record.epoch}
-    torch.save(result, out)
-    return result
+    if names:
+        layers = {layer: _full_layer_name(layer, params, names) for layer in order}
+        params = {names[k]: v for k, v in params.items()}
+        buffers = {names.get(k, k): v for k, v in buffers.items()}
+        states = {layers[layer]: state for layer, state in states.items()}
+        order = [layers[layer] for layer in order]
+    return _Part(params, buffers, states, order, record.extra.get("hyper", {}), record.step, record.epoch)
+
+
+def _full_layer_name(layer: str, params: dict[str, torch.Tensor], names: dict[str, str]) -> str:
+    """The whole model's name of a part's layer, from the full name of one of its tensors."""
+    prefix = "" if layer == "<root>" else layer + "."
+    key = next(k for k in params if k.startswith(prefix) and "." not in k[len(prefix):])
+    full, own = names[key], key[len(prefix):]
+    return full[:-len(own) - 1] if full != own else "<root>"
 
 
 def _count_params(params: dict[str, torch.Tensor], layer: str) -> int:
@@ -74,8 +132,7 @@ def _count_params(params: dict[str, torch.Tensor], layer: str) -> int:
     return sum(1 for k in params if k.startswith(prefix) and "." not in k[len(prefix):])
 
 
-def _rank0_buffers(directory: Path, step: int) -> dict[str, torch.Tensor]:
-    path = directory / "state-rank0.ckpt"
+def _buffers(path: Path, step: int) -> dict[str, torch.Tensor]:
     if not path.exists():
         return {}
     try:

@@ -76,6 +76,8 @@ class CheckpointListener(Listener):
         model_generation, rank_generation, rank_store: where the last commits were
             (0 and ``None`` for a fresh start).
         peer_timeout_s: how long to wait for another rank's file before failing.
+        full_names: the whole model's names of ``model``'s ``state_dict`` keys, when
+            ``model`` is one part of it (hybrid parallelism); kept in every commit record.
 
     Example::
 
@@ -88,7 +90,8 @@ class CheckpointListener(Listener):
     def __init__(self, directory: Path, model: nn.Module, engine: Any, *, every: int, last_step: int,
                  steps_per_epoch: int, rank: int, writer_rank: int, local_ranks: list[int],
                  model_store: Store | None, model_generation: int = 0, rank_generation: int = 0,
-                 rank_store: Store | None = None, peer_timeout_s: float = 300.0):
+                 rank_store: Store | None = None, peer_timeout_s: float = 300.0,
+                 full_names: dict[str, str] | None = None):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         if (rank == writer_rank) != (model_store is not None):
@@ -101,6 +104,7 @@ class CheckpointListener(Listener):
         self._model_gen, self._rank_gen = model_generation, rank_generation
         self._last_rank_step = max(rank_store.committed_steps(), default=-1) if rank_store else -1
         self._timeout = peer_timeout_s
+        self._full_names = full_names
         layout: Layout | None = model_store.layout if model_store is not None else None
         self._slot_of = {s.name: i for i, s in enumerate(layout.slots)} if layout else {}
         self._staging: list[list[torch.Tensor]] = []
@@ -157,6 +161,8 @@ class CheckpointListener(Listener):
         group = self.engine.optimizers[0].param_groups[0]
         extra = {"forward_order": [layer.name for layer in self.engine.layers],
                  "hyper": {k: v for k, v in group.items() if k != "params" and _jsonable(v)}}
+        if self._full_names is not None:
+            extra["full_names"] = self._full_names
         # At most two steps' rank state in flight: bounded memory on every rank.
         self.stats["blocked_s"] += self._wait(lambda: self._ends_in_flight < 2)
         with self._cond:

@@ -72,14 +72,19 @@ def check_directory(directory: str) -> Path:
     return path
 
 
-def _topology() -> tuple[int, int, int, int]:
-    """(rank, world size, this node's writer rank, ranks on this node)."""
+def _topology(group_ranks: list[int] | None) -> tuple[int, int, list[int]]:
+    """(rank, world size, the ranks on this node that hold the same layers as this one).
+
+    The first of those ranks is the writer of their model file.
+    """
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     # Without torchrun's LOCAL_* variables (a hand-made group) every rank is on this node.
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return rank, world, rank - local_rank, local_world
+    node = range(rank - local_rank, rank - local_rank + local_world)
+    peers = [r for r in node if group_ranks is None or r in group_ranks]
+    return rank, world, peers
 
 
 def _open_reports(path: Path, signature: str | None, layout: Layout | None) -> list[AreaReport] | None:
@@ -110,8 +115,15 @@ def _gather(value: Any, world: int) -> list[Any]:
 
 
 def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: Any, optimizer_class: type,
-                        optimizer_kwargs: dict[str, Any], total_steps: int, steps_per_epoch: int) -> CheckpointSession:
+                        optimizer_kwargs: dict[str, Any], total_steps: int, steps_per_epoch: int,
+                        group_ranks: list[int] | None = None,
+                        full_names: dict[str, str] | None = None) -> CheckpointSession:
     """Resume from ``settings.directory`` when it holds a checkpoint (or as ``resume`` says) and attach the listener.
+
+    ``model`` is the part of the model this rank trains, replicated on
+    ``group_ranks`` (default: every rank); each group persists its own layers
+    into its own model file. ``full_names`` maps the part's ``state_dict`` keys
+    to the whole model's, so an export can put the parts back together.
 
     Raises:
         UsageError: the directory is a file, not writable, on a full disk; it
@@ -119,7 +131,8 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
             nothing to resume; or every area is damaged (nothing is overwritten).
     """
     directory = check_directory(settings.directory)
-    rank, world, writer, local_world = _topology()
+    rank, world, peers = _topology(group_ranks)
+    writer = peers[0]
     layout = model_layout(model, optimizer_class, optimizer_kwargs)
     mpath, rpath = model_file(directory, writer), rank_file(directory, rank)
     model_reports = rank_reports = None
@@ -147,7 +160,7 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
             print(f"convoy: checkpoint: {note}", file=sys.stderr, flush=True)
     listener = CheckpointListener(directory, model, engine, every=settings.every, last_step=total_steps - 1,
                                   steps_per_epoch=steps_per_epoch, rank=rank, writer_rank=writer,
-                                  local_ranks=list(range(writer, writer + local_world)), model_store=model_store,
+                                  local_ranks=peers, model_store=model_store, full_names=full_names,
                                   model_generation=model_gen, rank_generation=rank_gen, rank_store=rank_store,
                                   peer_timeout_s=settings.timeout_s)
     engine.listeners.append(listener)

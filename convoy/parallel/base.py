@@ -5,6 +5,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
+from torch import nn
 
 from convoy.engine import Engine
 
@@ -31,6 +32,12 @@ class ParallelLayout(ABC):
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's ``state_dict`` on rank 0, ``None`` elsewhere; a collective."""
+
+    def checkpoint_scope(self) -> tuple[nn.Module, list[int] | None, dict[str, str] | None]:
+        """What this rank checkpoints: the module its engine trains, the ranks that
+        replicate it (None: every rank), and the whole model's names of its keys
+        (None: it is the whole model)."""
+        return self.engine.model, None, None
 
     def step_metrics(self, step: int) -> dict[str, Any]:
         """Layout-specific figures of ``step`` for the metrics file (none by default)."""

@@ -89,11 +89,18 @@ class HybridParallel(ParallelLayout):
         make_engine: ``(part, group) -> Engine`` for this rank's part and group.
         split_at: the child module where the head begins (see ``split_point``).
         loss_fn: per-sample loss, ``(logits, labels) -> losses`` with reduction "none".
+        sub_batches: K; conv workers send their activations in K pieces, and the FC
+            worker runs the head's forward on each piece as it arrives, so the link
+            carries piece k + 1 while piece k is computed on both sides (Dettmers'
+            variant). Batch-norm layers then see K smaller batches.
     """
 
     def __init__(self, model: nn.Module, roles: HybridRoles, rank: int, input_shape: tuple[int, ...],
                  make_engine: EngineFactory, split_at: str | None = None,
-                 loss_fn: Callable = nn.functional.cross_entropy):
+                 loss_fn: Callable = nn.functional.cross_entropy, sub_batches: int = 1):
+        if sub_batches < 1:
+            raise UsageError(f"--sub-batches must be >= 1, got {sub_batches}")
+        self.sub_batches = sub_batches
         if roles.world_size != dist.get_world_size():
             raise UsageError(f"--conv-workers + --fc-workers = {roles.world_size} but the job has "
                              f"{dist.get_world_size()} processes")
@@ -106,6 +113,8 @@ class HybridParallel(ParallelLayout):
         groups = (dist.new_group(list(range(roles.conv_workers))),
                   dist.new_group(list(range(roles.conv_workers, roles.world_size))))
         self.part = features if roles.is_conv(rank) else head
+        self.group_ranks = list(range(roles.conv_workers) if roles.is_conv(rank)
+                                else range(roles.conv_workers, roles.world_size))
         self._names = {key: names[id(t)] for key, t in self.part.state_dict(keep_vars=True).items()}
         self.engine = make_engine(self.part, groups[0] if roles.is_conv(rank) else groups[1])
         self.data_rank = rank if roles.is_conv(rank) else 0
@@ -124,6 +133,10 @@ class HybridParallel(ParallelLayout):
                                                     self.link_bytes_received - before[1])
         return result
 
+    def checkpoint_scope(self) -> tuple[nn.Module, list[int], dict[str, str]]:
+        """Each group persists its own layers: the conv part on the conv ranks, the head on the FC ranks."""
+        return self.part, self.group_ranks, self._names
+
     def step_metrics(self, step: int) -> dict[str, Any]:
         sent, received = self._link_by_step.pop(step, (0, 0))
         return {"role": "conv" if self.roles.is_conv(self.rank) else "fc",
@@ -132,41 +145,52 @@ class HybridParallel(ParallelLayout):
     def _conv_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
         self.part.train()
         fc = self.roles.fc_of(self.rank)
-        activations = self.part(x)
-        self._send(activations.detach().contiguous(), fc)
         self._send(y, fc)
+        pieces, sends = [], []
+        for piece in x.tensor_split(self.sub_batches):
+            pieces.append(self.part(piece))
+            sends.append(self._isend(pieces[-1].detach().contiguous(), fc))
+        activations = torch.cat(pieces)
         grad = self._recv(torch.empty_like(activations), fc)
         loss_and_correct = self._recv(torch.empty(2, dtype=torch.float64), fc)
+        for work in sends:
+            work.wait()
         self.engine.backward(activations, grad)
         return loss_and_correct[0].item(), int(loss_and_correct[1])
 
     def _fc_step(self, batch: int) -> tuple[float, int]:
         self.part.train()
         convs = self.roles.convs_of(self.rank)
-        activations, labels = self._gather_from(convs, batch)
-        activations.requires_grad_(True)
-        logits = self.part(activations)
+        labels = [self._recv(torch.empty(batch, dtype=torch.int64), conv) for conv in convs]
+        # The sizes Tensor.tensor_split gives the conv workers' pieces.
+        small, larger = divmod(batch, self.sub_batches)
+        sizes = [small + 1] * larger + [small] * (self.sub_batches - larger)
+        inputs: list[list[torch.Tensor]] = [[] for _ in convs]
+        outputs: list[list[torch.Tensor]] = [[] for _ in convs]
+        for size in sizes:   # piece-major: every conv worker's piece k before anyone's piece k + 1
+            for i, conv in enumerate(convs):
+                piece = self._recv(torch.empty(size, *self.feature_shape), conv).requires_grad_(True)
+                inputs[i].append(piece)
+                outputs[i].append(self.part(piece))
+        logits, labels = torch.cat([torch.cat(out) for out in outputs]), torch.cat(labels)
         losses = self.loss_fn(logits, labels, reduction="none")
         loss = losses.mean()
         self.engine.backward(loss)
-        grads = (activations.grad * self.roles.fan_in).chunk(len(convs))
         hits = (logits.argmax(1) == labels).double()
-        for conv, grad, part_loss, part_hits in zip(convs, grads, losses.detach().double().chunk(len(convs)),
-                                                    hits.chunk(len(convs))):
-            self._send(grad.contiguous(), conv)
+        for i, (conv, part_loss, part_hits) in enumerate(zip(convs, losses.detach().double().chunk(len(convs)),
+                                                             hits.chunk(len(convs)))):
+            grad = torch.cat([piece.grad for piece in inputs[i]]) * self.roles.fan_in
+            self._send(grad, conv)
             self._send(torch.stack([part_loss.mean(), part_hits.sum()]), conv)
         return loss.item(), int(hits.sum())
-
-    def _gather_from(self, convs: list[int], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        acts, labels = [], []
-        for conv in convs:
-            acts.append(self._recv(torch.empty(batch, *self.feature_shape), conv))
-            labels.append(self._recv(torch.empty(batch, dtype=torch.int64), conv))
-        return torch.cat(acts), torch.cat(labels)
 
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
         dist.send(tensor, dst)
         self.link_bytes_sent += tensor.numel() * tensor.element_size()
+
+    def _isend(self, tensor: torch.Tensor, dst: int) -> dist.Work:
+        self.link_bytes_sent += tensor.numel() * tensor.element_size()
+        return dist.isend(tensor, dst)
 
     def _recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         dist.recv(tensor, src)
