@@ -61,3 +61,14 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> Context:
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return Context(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def shutdown() -> None:
+    """Leave the job cleanly: wait for every rank, then close the process group.
+
+    Without it each process tears its connections down whenever it exits,
+    while a slower peer may still be sending; gloo then aborts that peer.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

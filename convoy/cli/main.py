@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from convoy.cli import bench, checkpoint, plot, train
+from convoy.cli import bench, checkpoint, plan, plot, profile_nodes, simulate, trace, train
 from convoy.cli.args import Parser
 from convoy.errors import UsageError
 
@@ -17,6 +17,10 @@ def build_parser() -> Parser:
     plot.add_parser(commands)
     checkpoint.add_parser(commands)
     bench.add_parser(commands)
+    profile_nodes.add_parser(commands)
+    trace.add_parser(commands)
+    simulate.add_parser(commands)
+    plan.add_parser(commands)
     return parser
 
 

@@ -74,11 +74,13 @@ def run_worker_from_file(args: argparse.Namespace) -> int:
 
 def run_worker(config: TrainConfig) -> int:
     """Train as one rank; never leave the job hanging on failure."""
+    from convoy.runtime import shutdown
     from convoy.train.loop import run as train
 
     rank = int(os.environ.get("RANK", 0))
     try:
         summary = train(config)
+        shutdown()
     except BaseException as exc:
         code = report_failure(exc, rank)
         sys.stdout.flush()

@@ -6,6 +6,7 @@ table, so a flag and a config key never disagree.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,29 @@ class TrainConfig:
     seed: int = _opt(0, "seed of the model's initialisation and the data order")
     out: str | None = _opt(None, "run folder for metrics and the final model (default runs/<time>)")
     sync: str = _opt("allreduce", "gradient synchronisation strategy")
+    clusters: str = _opt("auto", "hierarchical: number of node clusters K, or auto (the K with the best "
+                         "silhouette score)")
+    exchange_every: int = _opt(4, "hierarchical: T, batches per exchange cycle; the clusters' parameters are "
+                               "combined after every T-th batch")
+    reelect_every: int = _opt(4, "hierarchical: R, exchange cycles between elections of the clusters' servers")
+    server_choice: str = _opt("random", "hierarchical: how each cluster's temporary server is elected: random "
+                              "(seeded order, rotating) or capable (highest weighted indicators)")
+    indicator_weights: str | None = _opt(None, "hierarchical: indicator weights as name=value pairs (cpu_mhz, "
+                                         "memory_gb, gpu_mhz, gpu_memory_gb, disk_mbps, uplink_mbps) or six "
+                                         "numbers; default 1,0.5,1,0.5,0.5,2")
+    node_profile: str | None = _opt(None, "hierarchical: TOML file of node indicators overriding the measured "
+                                    "ones ([all], [hosts.NAME], [ranks.N] tables)")
+    servers: int | None = _opt(None, "ps: S, the ranks 0..S-1 that serve the parameters (default 1); the other "
+                               "ranks are workers")
+    channels: int | None = _opt(None, "ps: connections (process groups) per server-worker pair (default 2; fifo: 1)")
+    priority: str = _opt("graph", "ps: transfer order: graph (the next forward's order, traced), timed (also "
+                         "weighs measured run and transfer times), or fifo (arrival order, whole tensors)")
+    slice_kb: float | None = _opt(None, "ps: cut transfers into slices of this many KB (default 256; fifo: whole "
+                                  "tensors)")
+    credit_kb: float | None = _opt(None, "ps: KB a sender keeps in flight at most (default 1024; fifo: no limit)")
+    trace: bool = _opt(False, "ps: record a timeline of --trace-steps steps; writes trace.json (Chrome trace) "
+                       "into the run folder")
+    trace_steps: int = _opt(3, "ps: steps the --trace timeline covers (after the first)")
     compress: str = _opt("none", "gradient compressor: none, fp16, blocktopk, topk, randomk")
     blocks_per_layer: int | None = _opt(None, "blocktopk: blocks kept per parameter (default 1; "
                                         "exclusive with --block-fraction)")
@@ -66,6 +90,8 @@ class TrainConfig:
     fc_workers: int | None = _opt(None, "hybrid: J, the ranks I..I+J-1 that train the FC head (I divisible by J)")
     split_at: str | None = _opt(None, "hybrid: the child module where the FC head begins "
                                 "(default: the model's classifier, or its first Flatten/Linear after the last conv)")
+    sub_batches: int = _opt(1, "hybrid: send activations in K pieces so the link overlaps the FC "
+                            "head's compute (at most --batch-size)")
     threads: int = _opt(1, "torch threads per worker")
     timeout: float = _opt(300.0, "seconds a collective waits for a peer before the job fails")
     progress: bool = _opt(True, "show a progress bar on rank 0")
@@ -134,6 +160,8 @@ class TrainConfig:
                 _one_of(name, value, choices + ("package.module:factory",))
         self.synthetic_dims()
         self._validate_hybrid()
+        self._validate_hierarchical()
+        self._validate_ps()
         self._validate_checkpointing()
         return self
 
@@ -163,18 +191,60 @@ class TrainConfig:
         _at_least("warmup_steps", self.warmup_steps, 0)
 
 
-    def _validate_hybrid(self) -> None:
-        if self.parallel != "hybrid":
-            if self.conv_workers is not None or self.fc_workers is not None:
-                raise UsageError("--conv-workers and --fc-workers need --parallel hybrid")
+    def _validate_ps(self) -> None:
+        from convoy.ps.settings import check
+        from convoy.runtime import launched_by_torchrun
+
+        check(self.servers, self.priority, self.channels, self.slice_kb, self.credit_kb)
+        _at_least("trace_steps", self.trace_steps, 1)
+        if self.sync != "ps":
+            given = [f for f in ("servers", "channels", "slice_kb", "credit_kb") if getattr(self, f) is not None]
+            if given or self.priority != "graph" or self.trace:
+                raise UsageError("--servers, --channels, --priority, --slice-kb, --credit-kb and --trace need --sync ps")
             return
+        world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else self.nproc
+        servers = self.servers or 1
+        if servers >= world:
+            raise UsageError(f"--servers ({servers}) must be smaller than the number of processes ({world}): "
+                             "at least one rank must be a worker")
+        if self.parallel != "data":
+            raise UsageError("--sync ps needs --parallel data")
+        if self.compress != "none":
+            raise UsageError("--sync ps does not support --compress yet")
+        if self.checkpoint_dir is not None:
+            raise UsageError("--checkpoint-dir does not support --sync ps yet")
+
+    def _validate_hierarchical(self) -> None:
+        from convoy.cluster.options import check_cluster_options
+        from convoy.runtime import launched_by_torchrun
+
+        if self.sync != "hierarchical":
+            if self.node_profile is not None or self.indicator_weights is not None or self.clusters != "auto":
+                raise UsageError("--clusters, --indicator-weights and --node-profile need --sync hierarchical")
+            return
+        _at_least("exchange_every", self.exchange_every, 1)
+        # Under torchrun (or an emulated cluster) the world is the launcher's, not --nproc.
+        world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else self.nproc
+        check_cluster_options(world, self.clusters, self.indicator_weights, self.node_profile, self.reelect_every,
+                              self.server_choice)
+        if self.parallel != "data":
+            raise UsageError("--sync hierarchical needs --parallel data")
+        if self.checkpoint_dir is not None:
+            raise UsageError("--checkpoint-dir does not support --sync hierarchical yet")
+
+    def _validate_hybrid(self) -> None:
+        _at_least("sub_batches", self.sub_batches, 1)
+        if self.parallel != "hybrid":
+            if self.conv_workers is not None or self.fc_workers is not None or self.sub_batches != 1:
+                raise UsageError("--conv-workers, --fc-workers and --sub-batches need --parallel hybrid")
+            return
+        if self.sub_batches > self.batch_size:
+            raise UsageError(f"--sub-batches ({self.sub_batches}) must be at most --batch-size ({self.batch_size})")
         if self.conv_workers is None or self.fc_workers is None:
             raise UsageError("--parallel hybrid needs --conv-workers I and --fc-workers J")
         from convoy.parallel import HybridRoles
 
         HybridRoles(self.conv_workers, self.fc_workers)
-        if self.checkpoint_dir is not None:
-            raise UsageError("--checkpoint-dir does not support --parallel hybrid yet")
 
 
 def _flag(name: str) -> str:

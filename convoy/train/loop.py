@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import time
 from dataclasses import asdict, dataclass
 from itertools import islice
@@ -20,8 +21,9 @@ from convoy.data import DatasetSplits, GlobalBatchSampler, build_dataset, iterat
 from convoy.engine import Engine
 from convoy.models import build_model
 from convoy.parallel import DataParallel, HybridParallel, HybridRoles, ParallelLayout
-from convoy.sync import AllReduce, ring_allreduce_bytes
+from convoy.sync import AllReduce, SyncStrategy, ring_allreduce_bytes
 from convoy.train.config import TrainConfig, save_config
+from convoy.train.hierarchical import build_hierarchical
 from convoy.train.metrics import MetricsWriter
 from convoy.train.optim import lr_lambda, resolve_optimizer, supported_kwargs
 
@@ -53,12 +55,14 @@ def run(config: TrainConfig) -> RunSummary:
         load_initial_state(model, config.init_from)
     broadcast_parameters(model)
     data_world = config.conv_workers if config.parallel == "hybrid" else ctx.world_size
+    if config.sync == "ps":   # servers read no data: the workers split every batch
+        data_world = ctx.world_size - (config.servers or 1)
     steps_per_epoch = len(GlobalBatchSampler(len(splits.train), config.batch_size, data_world, 0, config.seed))
     total_steps = config.total_steps(steps_per_epoch)
     layout = build_layout(config, model, ctx, total_steps, (splits.in_channels, *splits.image_size))
     sampler = GlobalBatchSampler(len(splits.train), config.batch_size, layout.data_world_size, layout.data_rank,
                                  config.seed)
-    session = start_checkpoints(config, model, layout.engine, total_steps, len(sampler))
+    session = start_checkpoints(config, layout, total_steps, len(sampler))
     run_dir = resolve_run_dir(config.out, ctx.rank)
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -72,7 +76,13 @@ def run(config: TrainConfig) -> RunSummary:
     layout.engine.close()
     if session is not None:
         session.listener.close()   # the last checkpoint is committed before the job ends
-    state = layout.full_state_dict()
+    if config.trace:
+        layout.save_trace(run_dir)
+    state = layout.full_state_dict()   # a collective: every rank's trace file is written after it
+    if config.trace and ctx.rank == 0:
+        from convoy.ps.chrome_trace import merge_traces
+
+        merge_traces(run_dir)
     if ctx.rank == 0:
         torch.save({"model": state, "optimizers": layout.engine.optimizer_state()},
                    run_dir / "model.pt")
@@ -87,14 +97,16 @@ def optimizer_spec(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], di
                                              weight_decay=config.weight_decay)
 
 
-def start_checkpoints(config: TrainConfig, model: nn.Module, engine: Engine, total_steps: int,
+def start_checkpoints(config: TrainConfig, layout: ParallelLayout, total_steps: int,
                       steps_per_epoch: int) -> CheckpointSession | None:
     """Resume from ``--checkpoint-dir`` if it holds a checkpoint, and checkpoint from now on."""
     if config.checkpoint_dir is None:
         return None
     optimizer_class, hyper = optimizer_spec(config)
     settings = CheckpointSettings(config.checkpoint_dir, config.checkpoint_every, config.resume, config.timeout)
-    return start_checkpointing(settings, model, engine, optimizer_class, hyper, total_steps, steps_per_epoch)
+    module, group_ranks, full_names = layout.checkpoint_scope()
+    return start_checkpointing(settings, module, layout.engine, optimizer_class, hyper, total_steps,
+                               steps_per_epoch, group_ranks, full_names)
 
 
 def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, total_steps: int,
@@ -107,12 +119,21 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
             config.compress, blocks_per_layer=config.blocks_per_layer, block_fraction=config.block_fraction,
             block_metric=config.block_metric, block_selection=config.block_selection,
             element_fraction=config.element_fraction)
-        return Engine(part, optimizer_class, AllReduce(group, compressor, memory, config.warmup_steps),
+        if config.sync == "hierarchical":
+            sync: SyncStrategy = build_hierarchical(config, ctx, compressor, memory, total_steps)
+        else:
+            sync = AllReduce(group, compressor, memory, config.warmup_steps)
+        return Engine(part, optimizer_class, sync, listeners=sync.listeners(),
                       lr_lambda=lr_lambda(config.lr_schedule, total_steps), **hyper)
 
+    if config.sync == "ps":
+        from convoy.train.ps import build_ps_layout
+
+        return build_ps_layout(config, model, ctx, total_steps, input_shape)
     if config.parallel == "hybrid":
         roles = HybridRoles(config.conv_workers, config.fc_workers)
-        return HybridParallel(model, roles, ctx.rank, input_shape, make_engine, config.split_at)
+        return HybridParallel(model, roles, ctx.rank, input_shape, make_engine, config.split_at,
+                              sub_batches=config.sub_batches)
     # A group of its own keeps the engine's collectives from interleaving with
     # the training loop's (evaluation, bookkeeping) on the default group.
     group = dist.new_group() if ctx.world_size > 1 else None
@@ -172,9 +193,11 @@ def _record_step(metrics: MetricsWriter, layout: ParallelLayout, step: int, epoc
     stats = layout.engine.stats(step)
     # The engine's group: all ranks in data parallelism, one role's ring in hybrid.
     dense = dense_step_bytes(layout.engine, layout.engine.sync.world_size)
+    # ru_maxrss is in KiB on Linux: the process's peak resident memory so far.
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     metrics.write("step", epoch=epoch, loss=loss, train_accuracy=train_accuracy, time=elapsed,
                   compression_ratio=dense / stats.bytes_sent if stats.bytes_sent else 1.0, **stats.as_dict(),
-                  **layout.step_metrics(step))
+                  peak_rss_mb=peak_rss_mb, **layout.step_metrics(step), **layout.engine.sync.step_metrics(step))
     return stats.bytes_sent
 
 
