@@ -76,6 +76,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         overrides = load_profile_file(args.node_profile) if args.node_profile else None
         plan = plan_job(parse_weights(args.indicator_weights), parse_clusters(args.clusters), args.seed,
                         args.reelect_every, args.server_choice, overrides, ctx.local_rank)
+        runtime.shutdown()
     except BaseException as exc:
         code = report_failure(exc, rank)
         sys.stdout.flush()
