@@ -31,3 +31,4 @@ x, y = map(torch.stack, zip(*[(data.test[i][0], torch.as_tensor(data.test[i][1])
 accuracy = (model(x).argmax(1) == y).float().mean().item()
 print(f"rank {ctx.rank}: test accuracy {accuracy:.3f}")
 engine.close()
+convoy.shutdown()                                # wait for every rank, then leave the process group
