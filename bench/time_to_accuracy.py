@@ -4,7 +4,8 @@
         --strategies dense ddp powersgd topk blocktopk
 
 Each strategy is one `convoy bench cluster` run (network namespaces + tbf; root
-needed) that stops at the target accuracy or after --steps. Reports per
+needed; `--rate loopback` runs local processes instead) that stops at the
+target accuracy or after --steps. Reports per
 strategy the wall time and step at which the target was first reached, the
 median step time and bytes sent per step, and writes
 bench/results/time_to_accuracy_<model>_<rate>.{json,md,png}.
@@ -30,37 +31,61 @@ STRATEGIES: dict[str, list[str]] = {
     "fp16": ["train", "--compress", "fp16"],
     "topk": ["train", "--compress", "topk"],
     "blocktopk": ["train", "--compress", "blocktopk", "--block-fraction", "0.01"],
+    "blocktopk-10%": ["train", "--compress", "blocktopk", "--block-fraction", "0.1"],
     "blocktopk-global": ["train", "--compress", "blocktopk", "--block-fraction", "0.01",
                          "--block-selection", "global"],
     "hybrid-3+1": ["train", "--parallel", "hybrid", "--conv-workers", "3", "--fc-workers", "1"],
     "hybrid-2+2": ["train", "--parallel", "hybrid", "--conv-workers", "2", "--fc-workers", "2"],
+    "hierarchical": ["train", "--sync", "hierarchical", "--clusters", "2", "--exchange-every", "4"],
+    "ps-fifo": ["train", "--sync", "ps", "--servers", "1", "--priority", "fifo"],
+    "ps-graph": ["train", "--sync", "ps", "--servers", "1", "--priority", "graph"],
     "ddp": [PEER],
     "powersgd": [PEER, "--powersgd-rank", "2"],
 }
 
 
-def _run(name: str, args: argparse.Namespace, out: Path) -> dict:
+def run_strategy(name: str, args: argparse.Namespace, out: Path) -> dict:
+    """One strategy's run on a fresh emulated cluster: its time to target, step time, bytes and curve."""
     common = ["--model", args.model, "--lr", str(args.lr), "--batch-size", str(args.batch_size),
               "--steps", str(args.steps), "--eval-every", str(args.eval_every),
               "--stop-at-accuracy", str(args.target), "--out", str(out)]
-    command = STRATEGIES[name] + common + (["--no-progress"] if STRATEGIES[name][0] == "train" else [])
-    cluster = [sys.executable, "-m", "convoy", "bench", "cluster", "--hosts", str(args.hosts), "--rate", args.rate]
-    result = subprocess.run(cluster + ["--"] + command, capture_output=True, text=True)
+    own = ["--no-progress", "--warmup-steps", str(args.warmup_steps)] if STRATEGIES[name][0] == "train" else []
+    command = STRATEGIES[name] + common + own
+    result = subprocess.run(_launcher(command, args.hosts, args.rate), capture_output=True, text=True)
     if result.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
-    records = [json.loads(line) for line in (out / "metrics-rank0.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["kind"] == "step"]
-    evals = [r for r in records if r["kind"] == "eval"]
+        raise RuntimeError(f"{name} failed:\n{result.stderr[-3000:]}")
+    ranks = [_records(path) for path in sorted(out.glob("metrics-rank*.jsonl"))]
+    evals = [r for r in ranks[0] if r["kind"] == "eval"]
+    # Every rank's steps: the busiest rank sets the pace, bytes are averaged over
+    # all ranks (in hybrid and ps, roles send different amounts).
+    steps = [[r for r in records if r["kind"] == "step"] for records in ranks]
+    steps = [s for s in steps if s]
     hit = next((e for e in evals if e["test_accuracy"] >= args.target), None)
     return {"strategy": name, "time_to_target_s": hit["time"] if hit else None,
             "steps_to_target": hit["step"] if hit else None,
             "final_accuracy": evals[-1]["test_accuracy"],
-            "step_s": statistics.median(r["wall_s"] for r in steps[1:]),
-            "MB_sent/step": statistics.mean(r["bytes_sent"] for r in steps) / 1e6,
+            "step_s": statistics.median(max(rank[i]["wall_s"] for rank in steps)
+                                        for i in range(1, min(map(len, steps)))),
+            "MB_sent/step": statistics.mean(statistics.mean(r["bytes_sent"] + r.get("link_bytes_sent", 0)
+                                                            for r in rank) for rank in steps) / 1e6,
             "curve": [(e["time"], e["test_accuracy"]) for e in evals]}
 
 
-def _plot(rows: list[dict], path: Path, target: float) -> None:
+def _launcher(command: list[str], hosts: int, rate: str) -> list[str]:
+    """``command`` on ``hosts`` emulated hosts, or as ``hosts`` local processes when ``rate`` is loopback."""
+    if rate != "loopback":
+        return [sys.executable, "-m", "convoy", "bench", "cluster", "--hosts", str(hosts), "--rate", rate,
+                "--", *command]
+    if command[0] == "train":
+        return [sys.executable, "-m", "convoy", *command, "--nproc", str(hosts)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(hosts), *command]
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def plot_curves(rows: list[dict], path: Path, target: float) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -81,28 +106,41 @@ def _plot(rows: list[dict], path: Path, target: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", type=int, default=4)
-    parser.add_argument("--rate", default="100mbit")
+    parser.add_argument("--rate", default="100mbit", help="each host's link, e.g. 100mbit, 1gbit; loopback: "
+                        "local processes, no emulated cluster")
     parser.add_argument("--model", default="vgg_fc")
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=400, help="give up after this many steps")
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--target", type=float, default=0.97)
+    parser.add_argument("--also-target", type=float, default=0.95,
+                        help="also report the time to this accuracy (from the same runs' curves)")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="convoy's compressors send the first N "
+                        "steps dense")
+    parser.add_argument("--tag", help="suffix of the result files' names, to keep several runs apart")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.strategies:
-            rows.append(_run(name, args, Path(tmp, name)))
+            try:
+                rows.append(run_strategy(name, args, Path(tmp, name)))
+            except RuntimeError as exc:   # one failing strategy must not lose the others' figures
+                print(exc, file=sys.stderr, flush=True)
+                rows.append({"strategy": name, "error": str(exc).splitlines()[-1], "curve": [],
+                             "time_to_target_s": None})
             print({k: v for k, v in rows[-1].items() if k != "curve"}, flush=True)
     dense = next((r["time_to_target_s"] for r in rows if r["strategy"] == "dense"), None)
+    also = f"time_to_{args.also_target:g}_s"
     for row in rows:
         t = row["time_to_target_s"]
         row["speedup_vs_dense"] = dense / t if dense and t else None
-    name = f"time_to_accuracy_{args.model}_{args.rate}"
-    save(name, vars(args), rows, ["strategy", "time_to_target_s", "steps_to_target", "speedup_vs_dense",
-                                  "final_accuracy", "step_s", "MB_sent/step"])
-    _plot(rows, RESULTS / f"{name}.png", args.target)
+        row[also] = next((time for time, accuracy in row["curve"] if accuracy >= args.also_target), None)
+    name = f"time_to_accuracy_{args.model}_{args.rate}" + (f"_{args.tag}" if args.tag else "")
+    save(name, vars(args), rows, ["strategy", "time_to_target_s", "steps_to_target", "speedup_vs_dense", also,
+                                  "final_accuracy", "step_s", "MB_sent/step", "error"])
+    plot_curves([r for r in rows if r["curve"]], RESULTS / f"{name}.png", args.target)
 
 
 if __name__ == "__main__":

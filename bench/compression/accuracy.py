@@ -36,6 +36,7 @@ RUNS: list[tuple[str, dict[str, Any]]] = [
     ("blocktopk k=1 warm-up 100", {"compress": "blocktopk", "blocks_per_layer": 1, "warmup_steps": 100}),
     ("blocktopk 1% global warm-up 100", {"compress": "blocktopk", "block_fraction": 0.01,
                                          "block_selection": "global", "warmup_steps": 100}),
+    ("blocktopk 10% warm-up 100", {"compress": "blocktopk", "block_fraction": 0.1, "warmup_steps": 100}),
 ]
 PEER = "DDP + PowerSGD rank 1"
 
