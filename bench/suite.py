@@ -1,0 +1,153 @@
+"""The comparison suite: every strategy on emulated clusters, one table, plots.
+
+    sudo python bench/suite.py --profile small    # lenet, 100 Mbit and 1 Gbit, about 10 minutes on 2 cores
+    sudo python bench/suite.py --profile full     # vgg_fc and resnet18, every strategy (hours)
+
+For each model and link rate, every strategy of bench/time_to_accuracy.py runs
+on 4 emulated hosts (network namespaces + tc) until it reaches the target test
+accuracy or its step budget. Beside them the suite measures the physical
+limits of that setting: the compute-only step (4 single-process runs at once,
+so the CPU is shared as in the cluster, and nothing is exchanged) and the
+bandwidth-optimal ring all-reduce of the model's fp32 gradients,
+2 (N - 1) / N x bytes / rate. Each strategy's step time is reported as a ratio
+to the larger of the two.
+
+Writes bench/results/suite_<profile>.{json,md} (the machine, the commit and
+the settings with every row), accuracy_<model>_<rate>.png (test accuracy
+against wall time per strategy) and bytes.png under bench/results/suite_<profile>/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import RESULTS, save  # noqa: E402
+from bench.time_to_accuracy import STRATEGIES, plot_curves, run_strategy  # noqa: E402
+from convoy.emulation import parse_rate  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Profile:
+    models: tuple[str, ...]
+    rates: tuple[str, ...]
+    strategies: tuple[str, ...]
+    steps: int
+    eval_every: int
+    lr: float
+    batch_size: int
+    hosts: int = 4
+    target: float = 0.97
+    warmup_steps: int = 0
+
+
+PROFILES = {
+    "small": Profile(models=("lenet",), rates=("100mbit", "1gbit"),
+                     strategies=("ddp", "dense", "topk", "blocktopk-10%", "hybrid-3+1", "hierarchical",
+                                 "ps-fifo", "ps-graph"),
+                     steps=300, eval_every=25, lr=0.05, batch_size=32),
+    "full": Profile(models=("vgg_fc", "resnet18"), rates=("100mbit", "1gbit"),
+                    strategies=("ddp", "powersgd", "dense", "fp16", "topk", "blocktopk", "blocktopk-10%",
+                                "hybrid-3+1", "hybrid-2+2", "hierarchical", "ps-fifo", "ps-graph"),
+                    steps=400, eval_every=25, lr=0.02, batch_size=32, warmup_steps=20),
+}
+
+
+def compute_only_step_s(model: str, profile: Profile) -> float:
+    """Median step of ``hosts`` concurrent one-process runs: the compute each host gets, with no exchange."""
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [subprocess.Popen([sys.executable, "-m", "convoy", "train", "--nproc", "1", "--model", model,
+                                   "--batch-size", str(profile.batch_size), "--lr", str(profile.lr),
+                                   "--steps", "30", "--no-progress", "--out", f"{tmp}/{i}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for i in range(profile.hosts)]
+        for proc in procs:
+            if proc.wait() != 0:
+                raise RuntimeError(f"compute-only run failed: {proc.stderr.read()[-2000:]}")
+        steps = [json.loads(line)["wall_s"] for i in range(profile.hosts)
+                 for line in Path(tmp, str(i), "metrics-rank0.jsonl").read_text().splitlines()
+                 if json.loads(line)["kind"] == "step"][5:]
+    return statistics.median(steps)
+
+
+def ring_allreduce_s(model: str, hosts: int, rate: str) -> float:
+    """The bandwidth-optimal ring all-reduce of the model's fp32 gradients over links of ``rate``."""
+    from convoy.models import build_model
+    from convoy.data import build_dataset
+
+    data = build_dataset("digits")
+    net = build_model(model, in_channels=data.in_channels, num_classes=data.num_classes, image_size=data.image_size)
+    grad_bytes = 4 * sum(p.numel() for p in net.parameters())
+    return 2 * (hosts - 1) / hosts * grad_bytes * 8 / parse_rate(rate)
+
+
+def run_setting(model: str, rate: str, profile: Profile, out: Path) -> list[dict]:
+    args = argparse.Namespace(model=model, rate=rate, **{k: v for k, v in asdict(profile).items()
+                                                        if k not in ("models", "rates", "strategies")})
+    compute = compute_only_step_s(model, profile)
+    ring = ring_allreduce_s(model, profile.hosts, rate)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in profile.strategies:
+            try:
+                row = run_strategy(name, args, Path(tmp, name))
+            except RuntimeError as exc:   # one failing strategy must not lose the others' figures
+                print(f"suite: {model} {rate} {name} failed: {str(exc).splitlines()[-1]}", flush=True)
+                row = {"strategy": name, "error": str(exc).splitlines()[-1], "curve": []}
+            row.update(model=model, rate=rate, compute_only_s=compute, ring_allreduce_s=ring)
+            if "step_s" in row:
+                row["step_vs_limit"] = row["step_s"] / max(compute, ring)
+            rows.append(row)
+            print({k: v for k, v in row.items() if k != "curve"}, flush=True)
+    dense = next((r.get("time_to_target_s") for r in rows if r["strategy"] == "dense"), None)
+    for row in rows:
+        t = row.get("time_to_target_s")
+        row["speedup_vs_dense"] = dense / t if dense and t else None
+    plot_curves([r for r in rows if r["curve"]], out / f"accuracy_{model}_{rate}.png", profile.target)
+    return rows
+
+
+def plot_bytes(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if "MB_sent/step" in r]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"{r['model']} {r['rate']}\n{r['strategy']}" for r in shown]
+    ax.bar(range(len(shown)), [r["MB_sent/step"] for r in shown])
+    ax.set_xticks(range(len(shown)), labels, rotation=90, fontsize=6)
+    ax.set_ylabel("MB sent per worker per step")
+    ax.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", choices=list(PROFILES), default="small")
+    parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES),
+                        help="run only these strategies of the profile")
+    args = parser.parse_args()
+    profile = PROFILES[args.profile]
+    if args.strategies:
+        profile = Profile(**{**asdict(profile), "strategies": tuple(args.strategies)})
+    out = RESULTS / f"suite_{args.profile}"
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [row for model in profile.models for rate in profile.rates
+            for row in run_setting(model, rate, profile, out)]
+    plot_bytes(rows, out / "bytes.png")
+    save(f"suite_{args.profile}", asdict(profile), rows,
+         ["model", "rate", "strategy", "step_s", "step_vs_limit", "time_to_target_s", "speedup_vs_dense",
+          "steps_to_target", "final_accuracy", "MB_sent/step", "compute_only_s", "ring_allreduce_s", "error"])
+
+
+if __name__ == "__main__":
+    main()
