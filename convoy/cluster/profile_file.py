@@ -20,16 +20,12 @@ the string ``"measure"`` is measured as usual. Example (two fast, two slow)::
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
 from convoy.cluster.indicators import INDICATORS
 from convoy.errors import UsageError
+from convoy.utils.toml import read_toml
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 MEASURE = "measure"
 
@@ -75,13 +71,7 @@ class ProfileOverrides:
 
 def load_profile_file(path: str) -> ProfileOverrides:
     """Parse and check ``path``; UsageError names the first problem."""
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise UsageError(f"--node-profile {path} does not exist") from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise UsageError(f"--node-profile {path} is not valid TOML: {exc}") from None
+    raw = read_toml(path, "--node-profile")
     overrides = ProfileOverrides(path)
     for key, value in raw.items():
         if key == "all":

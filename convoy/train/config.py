@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from convoy.errors import UsageError
+from convoy.utils.toml import read_toml
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "rmsprop", "adagrad")
 LR_SCHEDULE_NAMES = ("constant", "cosine")
@@ -277,13 +273,7 @@ def config_fields() -> list[dataclasses.Field]:
 
 def load_toml(path: str) -> dict[str, Any]:
     """Read a config file; keys may be spelt with - or _; unknown keys are errors."""
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise UsageError(f"config file {path} does not exist") from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise UsageError(f"config file {path} is not valid TOML: {exc}") from None
+    raw = read_toml(path, "config file")
     known = {f.name: f for f in config_fields()}
     values = {}
     for key, value in raw.items():
