@@ -92,6 +92,10 @@ class SliceScheduler:
         self._queue: list[_Queued] = []
         self._in_flight: deque = deque()
         self._in_flight_bytes = 0
+        # Popped from the queue but not yet in _in_flight: without counting
+        # these, drain() could return (and the caller drop the payloads) while
+        # a send is being issued, and that send would never complete.
+        self._issuing = 0
         self._counter = itertools.count()
         self._stopping = False
         self.error: BaseException | None = None
@@ -115,7 +119,7 @@ class SliceScheduler:
     def drain(self) -> None:
         """Block until every submitted transfer has completed."""
         with self._cond:
-            while (self._queue or self._in_flight) and self.error is None:
+            while (self._queue or self._issuing or self._in_flight) and self.error is None:
                 self._cond.wait(_POLL_S)
             self._raise_if_failed()
 
@@ -148,7 +152,7 @@ class SliceScheduler:
     def _may_issue(self) -> bool:
         if not self._queue:
             return False
-        if self.credit_bytes is None or not self._in_flight:
+        if self.credit_bytes is None or not (self._in_flight or self._issuing):
             return True
         return self._in_flight_bytes + self._queue[0].transfer.nbytes <= self.credit_bytes
 
@@ -161,6 +165,7 @@ class SliceScheduler:
                     self._cond.wait(_POLL_S)
                 transfer = heapq.heappop(self._queue).transfer
                 self._in_flight_bytes += transfer.nbytes
+                self._issuing += 1
             issued_at = time.time()
             # The payload first: its receive is posted already, so its bytes
             # flow at once; the header tells the receiver it is coming.
@@ -177,6 +182,7 @@ class SliceScheduler:
                 if self.issued is not None:
                     self.issued.append(transfer)
                 self._in_flight.append((transfer, works, issued_at))
+                self._issuing -= 1
                 self._cond.notify_all()
 
     def _complete_loop(self) -> None:
