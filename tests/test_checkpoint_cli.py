@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_cli import TIMEOUT_S, _one_line_error, convoy
+from test_cli import TIMEOUT_S, _one_line_error, convoy, convoy_in_process
 
 # 5 steps an epoch on digits with 2 workers: 12 steps cross two epoch boundaries.
 JOB = ("--nproc", "2", "--batch-size", "128", "--lr-schedule", "constant", "--compress", "fp16",
@@ -105,7 +105,7 @@ def test_a_bad_checkpoint_dir_is_refused_before_training(tmp_path, make, expecte
     directory = tmp_path / "ckpt"
     make(directory)
     target = str(directory) if expected != "cannot be created" else "/proc/convoy-checkpoint"
-    assert expected in _one_line_error(convoy("train", "--checkpoint-dir", target, "--steps", "2"))
+    assert expected in _one_line_error(convoy_in_process("train", "--checkpoint-dir", target, "--steps", "2"))
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -113,7 +113,7 @@ def test_a_bad_checkpoint_dir_is_refused_before_training(tmp_path, make, expecte
     (["--resume"], "--resume/--no-resume needs --checkpoint-dir"),
 ])
 def test_bad_checkpoint_options(args, expected):
-    assert expected in _one_line_error(convoy("train", *args))
+    assert expected in _one_line_error(convoy_in_process("train", *args))
 
 
 def test_resume_with_nothing_to_resume_is_an_error(tmp_path):

@@ -1,6 +1,8 @@
 """The convoy command as a user runs it: real processes, real files, exit codes."""
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -17,6 +19,20 @@ TIMEOUT_S = 120
 def convoy(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = TIMEOUT_S):
     return subprocess.run([sys.executable, "-m", "convoy", *args], capture_output=True, text=True,
                           cwd=cwd, env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def convoy_in_process(*args: str) -> subprocess.CompletedProcess:
+    """The convoy command in this process: for input refused before any worker starts,
+    without a fresh interpreter importing torch for every case."""
+    from convoy.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:   # argparse's own errors
+            code = exc.code
+    return subprocess.CompletedProcess(["convoy", *args], code, out.getvalue(), err.getvalue())
 
 
 def _one_line_error(result) -> str:
@@ -44,7 +60,7 @@ def _one_line_error(result) -> str:
     (["--no-such-flag"], "unrecognized arguments"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, expected):
-    assert expected in _one_line_error(convoy("train", *args))
+    assert expected in _one_line_error(convoy_in_process("train", *args))
 
 
 def test_config_file_keys_are_checked_and_flags_override(tmp_path):

@@ -15,7 +15,7 @@ from convoy.errors import UsageError
 from convoy.sync import AllReduce
 from convoy.train.config import build_config
 from tests.distributed import run_workers
-from tests.test_cli import _one_line_error, convoy
+from tests.test_cli import _one_line_error, convoy, convoy_in_process
 from tests.test_engine import _batches, _flat, _model
 
 LR, MOMENTUM = 0.05, 0.9
@@ -102,7 +102,7 @@ def test_every_rank_holds_identical_parameters_and_momentum_after_50_sparse_step
     (["--block-metric", "l3"], "unknown --block-metric 'l3'; choose one of: l1, l2"),
 ])
 def test_bad_compression_options_are_one_line_and_exit_2(args, expected):
-    assert expected in _one_line_error(convoy("train", "--compress", "blocktopk", *args))
+    assert expected in _one_line_error(convoy_in_process("train", "--compress", "blocktopk", *args))
 
 
 @pytest.mark.parametrize("flags,expected", [

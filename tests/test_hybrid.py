@@ -61,7 +61,7 @@ def _reference(name: str, union_batch: int) -> nn.Module:
 
 
 @pytest.mark.parametrize("conv,fc,name,sub_batches", [(2, 1, "vgg_fc", 1), (2, 2, "vgg_fc", 1), (4, 2, "lenet", 1),
-                                                      (2, 1, "sequential", 1), (2, 1, "vgg_fc", 3)])
+                                                      (2, 1, "sequential", 3)])
 def test_hybrid_step_equals_one_process_on_the_union_batch(conv, fc, name, sub_batches):
     batch = 4   # with 3 sub-batches: pieces of 2, 1 and 1 samples
     results = run_workers(_hybrid_worker, conv + fc, conv, fc, name, batch, sub_batches)
