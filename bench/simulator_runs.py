@@ -1,7 +1,7 @@
 """Short runs on an emulated cluster to check the simulator against: median step time per strategy.
 
 Runs each strategy of ``bench/time_to_accuracy.py``'s table (the same flags),
-and a few more that ``convoy plan`` may pick, for a few steps with ``convoy
+and a few more that ``convoy plan`` may pick, for 24 steps (the mean step of the slowest rank over steps 5-24) with ``convoy
 bench cluster`` (root) and writes
 bench/results/simulator_runs_<model>_<rate>.json in the time-to-accuracy
 schema (``settings`` + ``rows`` with ``strategy`` and ``step_s``), which
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, save  # noqa: E402
-from bench.time_to_accuracy import STRATEGIES as PEER_TABLE  # noqa: E402
+from bench.time_to_accuracy import STRATEGIES as PEER_TABLE, step_figures  # noqa: E402
 
 # The time-to-accuracy strategies, and settings convoy plan ranks high on slow links.
 STRATEGIES = {**PEER_TABLE,
@@ -79,11 +78,8 @@ def run_one(name: str, args: argparse.Namespace, out_dir: Path) -> dict | None:
     if job.returncode != 0:
         raise SystemExit(f"{name} failed:\n{log.read()[-3000:]}")
     log.close()
-    records = [json.loads(line) for line in (out_dir / "metrics-rank0.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["kind"] == "step"]
     # The first steps build buckets and warm the caches; PowerSGD starts at step 2.
-    return {"strategy": name, "flags": STRATEGIES[name], "step_s": statistics.median(r["wall_s"] for r in steps[3:]),
-            "MB_sent/step": statistics.median(r["bytes_sent"] for r in steps[3:]) / 1e6,
+    return {"strategy": name, "flags": STRATEGIES[name], **step_figures(out_dir, skip=4),
             "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
             "other_jobs": intruders}
 
@@ -94,7 +90,7 @@ def main() -> None:
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--model", default="vgg_fc")
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--wait-s", type=float, default=900, help="give up on a strategy after waiting this long "
                         "for the machine to be free of other jobs (0: run at once; the row counts the other jobs)")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))

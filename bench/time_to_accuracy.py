@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, save  # noqa: E402
 
 PEER = str(Path(__file__).resolve().parent / "peers" / "ddp_train.py")
+TWO_RACKS = str(Path(__file__).resolve().parent / "two_racks.toml")
 
 # name -> how the ranks are started (after `convoy bench cluster ... --`).
 STRATEGIES: dict[str, list[str]] = {
@@ -36,7 +37,8 @@ STRATEGIES: dict[str, list[str]] = {
                          "--block-selection", "global"],
     "hybrid-3+1": ["train", "--parallel", "hybrid", "--conv-workers", "3", "--fc-workers", "1"],
     "hybrid-2+2": ["train", "--parallel", "hybrid", "--conv-workers", "2", "--fc-workers", "2"],
-    "hierarchical": ["train", "--sync", "hierarchical", "--clusters", "2", "--exchange-every", "4"],
+    "hierarchical": ["train", "--sync", "hierarchical", "--clusters", "2", "--exchange-every", "4",
+                     "--node-profile", TWO_RACKS],
     "ps-fifo": ["train", "--sync", "ps", "--servers", "1", "--priority", "fifo"],
     "ps-graph": ["train", "--sync", "ps", "--servers", "1", "--priority", "graph"],
     "ddp": [PEER],
@@ -54,21 +56,36 @@ def run_strategy(name: str, args: argparse.Namespace, out: Path) -> dict:
     result = subprocess.run(_launcher(command, args.hosts, args.rate), capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{result.stderr[-3000:]}")
-    ranks = [_records(path) for path in sorted(out.glob("metrics-rank*.jsonl"))]
-    evals = [r for r in ranks[0] if r["kind"] == "eval"]
-    # Every rank's steps: the busiest rank sets the pace, bytes are averaged over
-    # all ranks (in hybrid and ps, roles send different amounts).
-    steps = [[r for r in records if r["kind"] == "step"] for records in ranks]
-    steps = [s for s in steps if s]
+    evals = [r for r in _records(out / "metrics-rank0.jsonl") if r["kind"] == "eval"]
     hit = next((e for e in evals if e["test_accuracy"] >= args.target), None)
     return {"strategy": name, "time_to_target_s": hit["time"] if hit else None,
             "steps_to_target": hit["step"] if hit else None,
-            "final_accuracy": evals[-1]["test_accuracy"],
-            "step_s": statistics.median(max(rank[i]["wall_s"] for rank in steps)
-                                        for i in range(1, min(map(len, steps)))),
-            "MB_sent/step": statistics.mean(statistics.mean(r["bytes_sent"] + r.get("link_bytes_sent", 0)
-                                                            for r in rank) for rank in steps) / 1e6,
+            "final_accuracy": evals[-1]["test_accuracy"], **step_figures(out),
             "curve": [(e["time"], e["test_accuracy"]) for e in evals]}
+
+
+def step_figures(out: Path, skip: int = 1) -> dict:
+    """``step_s`` and ``MB_sent/step`` of a run folder's metrics, after ``skip`` warm-up steps.
+
+    A rank's ``wall_s`` intervals tile its run (end of one backward to the next), so
+    their mean is the period of the job; their median would hide a periodic step
+    (hierarchical's exchange every T batches), and the busiest rank per step only
+    adds jitter. Steps that follow an evaluation carry its time and are left out;
+    the rest are taken in whole periods of 4 steps (a multiple of every T the
+    benchmarks use). Bytes are averaged over all ranks (in hybrid and ps, roles
+    send different amounts).
+    """
+    ranks = [_records(path) for path in sorted(out.glob("metrics-rank*.jsonl"))]
+    after_eval = {r["step"] for r in ranks[0] if r["kind"] == "eval"}
+    means, sent = [], []
+    for records in ranks:
+        steps = [r for r in records if r["kind"] == "step"][skip:]
+        if not steps:
+            continue
+        whole = steps[:len(steps) // 4 * 4] or steps
+        means.append(statistics.mean(r["wall_s"] for r in whole if r["step"] not in after_eval))
+        sent.append(statistics.mean(r["bytes_sent"] + r.get("link_bytes_sent", 0) for r in steps))
+    return {"step_s": statistics.mean(means), "MB_sent/step": statistics.mean(sent) / 1e6}
 
 
 def _launcher(command: list[str], hosts: int, rate: str) -> list[str]:
