@@ -2,6 +2,7 @@
 
     sudo python bench/suite.py --profile small    # lenet, 100 Mbit and 1 Gbit, about 10 minutes on 2 cores
     sudo python bench/suite.py --profile full     # vgg_fc and resnet18, every strategy (hours)
+    sudo python bench/suite.py --profile full --models vgg_fc --rates 1gbit --tag vgg_fc_1gbit   # one setting
 
 For each model and link rate, every strategy of bench/time_to_accuracy.py runs
 on 4 emulated hosts (network namespaces + tc) until it reaches the target test
@@ -12,9 +13,9 @@ bandwidth-optimal ring all-reduce of the model's fp32 gradients,
 2 (N - 1) / N x bytes / rate. Each strategy's step time is reported as a ratio
 to the larger of the two.
 
-Writes bench/results/suite_<profile>.{json,md} (the machine, the commit and
+Writes bench/results/suite_<profile>[_<tag>].{json,md} (the machine, the commit and
 the settings with every row), accuracy_<model>_<rate>.png (test accuracy
-against wall time per strategy) and bytes.png under bench/results/suite_<profile>/.
+against wall time per strategy) and bytes.png under bench/results/suite_<profile>[_<tag>]/.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ PROFILES = {
     "full": Profile(models=("vgg_fc", "resnet18"), rates=("100mbit", "1gbit"),
                     strategies=("ddp", "powersgd", "dense", "fp16", "topk", "blocktopk", "blocktopk-10%",
                                 "hybrid-3+1", "hybrid-2+2", "hierarchical", "ps-fifo", "ps-graph"),
-                    steps=400, eval_every=25, lr=0.02, batch_size=32, warmup_steps=20),
+                    steps=400, eval_every=25, lr=0.02, batch_size=16, warmup_steps=20),
 }
 
 
@@ -135,16 +136,21 @@ def main() -> None:
     parser.add_argument("--profile", choices=list(PROFILES), default="small")
     parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES),
                         help="run only these strategies of the profile")
+    parser.add_argument("--models", nargs="+", help="run only these models of the profile")
+    parser.add_argument("--rates", nargs="+", help="run only these link rates of the profile")
+    parser.add_argument("--steps", type=int, help="the step budget per run instead of the profile's")
+    parser.add_argument("--tag", help="suffix of the result files' names, to keep partial runs apart")
     args = parser.parse_args()
-    profile = PROFILES[args.profile]
-    if args.strategies:
-        profile = Profile(**{**asdict(profile), "strategies": tuple(args.strategies)})
-    out = RESULTS / f"suite_{args.profile}"
+    chosen = {"strategies": args.strategies, "models": args.models, "rates": args.rates, "steps": args.steps}
+    profile = Profile(**{**asdict(PROFILES[args.profile]),
+                         **{k: tuple(v) if isinstance(v, list) else v for k, v in chosen.items() if v}})
+    name = f"suite_{args.profile}" + (f"_{args.tag}" if args.tag else "")
+    out = RESULTS / name
     out.mkdir(parents=True, exist_ok=True)
     rows = [row for model in profile.models for rate in profile.rates
             for row in run_setting(model, rate, profile, out)]
     plot_bytes(rows, out / "bytes.png")
-    save(f"suite_{args.profile}", asdict(profile), rows,
+    save(name, asdict(profile), rows,
          ["model", "rate", "strategy", "step_s", "step_vs_limit", "time_to_target_s", "speedup_vs_dense",
           "steps_to_target", "final_accuracy", "MB_sent/step", "compute_only_s", "ring_allreduce_s", "error"])
 
