@@ -112,13 +112,32 @@ def emulated_latency_s() -> float:
     return max(0.0, (row["allreduce_s"] - bandwidth) / (2 * (n - 1)))
 
 
-def emulated(data: dict) -> Cluster:
+@lru_cache(maxsize=None)
+def shared_core_efficiency(model: str) -> float:
+    """How much of its share of the cores a rank of ``model`` gets when the emulated hosts share
+    this machine: the profile's compute at ``cpus / hosts`` cores over the compute-only step
+    bench/suite.py measured (one-process runs on every host at once, nothing exchanged). The
+    profile is each layer's fastest of several one-thread runs; processes sharing a core also
+    pay for switching, their caches, the training loop and data loading. 1 where the suite
+    has not measured the model (or measured it no slower than the profile says)."""
+    for path in sorted(RESULTS.glob("suite_*.json")):
+        data = json.loads(path.read_text())
+        s, cpus = data["settings"], data["machine"]["cpus"]
+        measured = next((r["compute_only_s"] for r in data["rows"] if r["model"] == model and r.get("compute_only_s")),
+                        None)
+        if measured:
+            ideal = profile(model).at_batch(int(s["batch_size"])).compute_s * max(1.0, int(s["hosts"]) / cpus)
+            return min(1.0, ideal / measured)
+    return 1.0
+
+
+def emulated(data: dict, model: str) -> Cluster:
     s = data["settings"]
     hosts = int(s.get("hosts", 4))
     inter = s.get("inter_rack_rate")
     return Cluster(hosts, parse_rate(s.get("rate", "100mbit")), int(s.get("racks", 1)),
                    parse_rate(inter) if inter else None, latency_s=emulated_latency_s(),
-                   cores=data["machine"]["cpus"] / hosts)
+                   cores=data["machine"]["cpus"] / hosts * shared_core_efficiency(model))
 
 
 def loopback(world: int, cpus: int) -> Cluster:
@@ -153,11 +172,13 @@ def busy(model: str, rate: str | None, dense_s: float | None, at_most: bool = Fa
 
 def strategy_rows(path: Path, data: dict) -> Iterator[Case]:
     """Step times per strategy on emulated hosts (time-to-accuracy schema)."""
-    cluster, s = emulated(data), data["settings"]
+    s = data["settings"]
+    on_loopback = s.get("rate") == "loopback"
+    cluster = loopback(int(s.get("hosts", 4)), data["machine"]["cpus"]) if on_loopback else emulated(data, s["model"])
     dense = next((r["step_s"] for r in data["rows"] if r.get("strategy") == "dense" and r.get("step_s")), None)
     quiet_reference = path.name == f"engine_vs_ddp_cluster_{s.get('rate')}.json"
-    kind = "busy" if not quiet_reference and s.get("batch_size") == 16 and busy(s["model"], s.get("rate"), dense) \
-        else "validation"
+    kind = "busy" if not quiet_reference and s.get("batch_size") == 16 and \
+        busy(s["model"], None if on_loopback else s.get("rate"), dense) else "validation"
     for row in data["rows"]:
         flags = row.get("flags") or STRATEGIES.get(row["strategy"])
         if flags is None or not row.get("step_s"):
@@ -169,13 +190,22 @@ def strategy_rows(path: Path, data: dict) -> Iterator[Case]:
                    kind="busy" if row.get("other_jobs", 0) > 0 else kind, runs=(strategy, cluster, batch))
 
 
+def suite_rows(path: Path, data: dict) -> Iterator[Case]:
+    """bench/suite.py: the time-to-accuracy schema, one group of rows per model and link rate."""
+    for model, rate in sorted({(r["model"], r["rate"]) for r in data["rows"]}):
+        rows = [r for r in data["rows"] if (r["model"], r["rate"]) == (model, rate)]
+        yield from strategy_rows(path, {**data, "settings": {**data["settings"], "model": model, "rate": rate},
+                                        "rows": rows})
+
+
 def ps_rows(path: Path, data: dict) -> Iterator[Case]:
     """bench/ps.py: 4 hosts (1 server, 3 workers), batch 16, one row per (model, rate, configuration)."""
     from bench import ps
 
     dense = {(r["model"], r["rate"]): r["step_s"] for r in data["rows"] if r["config"] == "allreduce"}
     for row in data["rows"]:
-        cluster = emulated({"settings": {"hosts": ps.HOSTS, "rate": row["rate"]}, "machine": data["machine"]})
+        cluster = emulated({"settings": {"hosts": ps.HOSTS, "rate": row["rate"]}, "machine": data["machine"]},
+                           row["model"])
         flags = ps.CONFIGS.get(row["config"])
         if flags is None:
             print(f"skipped {path.name}: {row['config']} (unknown configuration)", file=sys.stderr)
@@ -190,7 +220,7 @@ def ps_rows(path: Path, data: dict) -> Iterator[Case]:
 def hierarchical_rows(path: Path, data: dict) -> Iterator[Case]:
     """bench/hierarchical.py: two racks; ``flat`` and ``hier T=t`` runs (torch's peer is not modelled)."""
     s = data["settings"]
-    cluster = emulated({"settings": {**s, "racks": 2}, "machine": data["machine"]})   # the bench's fixed racks
+    cluster = emulated({"settings": {**s, "racks": 2}, "machine": data["machine"]}, s["model"])   # fixed racks
     for row in data["rows"]:
         name = row["run"]
         if name == "flat":
@@ -265,6 +295,7 @@ READERS: list[tuple[str, Callable[[Path, dict], Iterator[Case]]]] = [
     ("engine_vs_ddp_cluster_*.json", strategy_rows),
     ("time_to_accuracy_*.json", strategy_rows),
     ("simulator_runs_*.json", strategy_rows),
+    ("suite_*.json", suite_rows),
     ("ps.json", ps_rows),
     ("ps_full.json", ps_rows),
     ("hierarchical.json", hierarchical_rows),
@@ -275,7 +306,8 @@ READERS: list[tuple[str, Callable[[Path, dict], Iterator[Case]]]] = [
 
 
 def plan_check(cases: list[Case]) -> list[dict]:
-    """Per emulated setting: ``convoy plan``'s top pick against the fastest measured convoy strategy.
+    """Per emulated setting: ``convoy plan``'s top pick against the fastest measured convoy strategy
+    and the fastest measured peer (torch DDP, with or without PowerSGD).
 
     Both by samples per second (hybrid trains on fewer ranks than the cluster has).
     """
@@ -284,12 +316,17 @@ def plan_check(cases: list[Case]) -> list[dict]:
 
     out = []
     groups: dict[tuple, list[Case]] = {}
+    peers: dict[tuple, dict[str, float]] = {}
     for case in cases:
-        if case.runs and not case.runs[0].peer:
+        if case.runs and case.runs[0].peer:
+            peers.setdefault((case.model, case.setting, case.kind), {})[case.strategy] = \
+                case.runs[0].workers(case.runs[1]) * case.runs[2] / case.measured
+        elif case.runs:
             groups.setdefault((case.model, case.setting, case.kind), []).append(case)
     for (model, setting, kind), mine in groups.items():
         _, cluster, batch = mine[0].runs
         measured = {c.strategy: c.runs[0].workers(cluster) * batch / c.measured for c in mine}
+        peer = peers.get((model, setting, kind), {})
         prof = profile(model).at_batch(batch)
         has_head = any(l.head for l in prof.layers)
         # Plan's own settings, and the measured ones (their knobs may lie between plan's).
@@ -299,11 +336,17 @@ def plan_check(cases: list[Case]) -> list[dict]:
                   if r["available"]]
         among = [r for r in ranked if r["strategy"] in measured]
         fastest = max(measured, key=measured.get)
+        top = measured.get(ranked[0]["strategy"])
+        fastest_peer = max(peer, key=peer.get) if peer else None
         out.append({"model": model, "setting": setting, "kind": kind, "plan_top": ranked[0]["strategy"],
-                    "plan_top_measured_samples_s": measured.get(ranked[0]["strategy"]),
+                    "plan_top_measured_samples_s": top,
                     "plan_top_among_measured": among[0]["strategy"] if among else None,
                     "fastest_measured": fastest, "fastest_measured_samples_s": measured[fastest],
                     "agree": bool(among) and among[0]["strategy"] == fastest,
+                    # How much throughput following plan's advice leaves on the table.
+                    "plan_top_vs_fastest": top / measured[fastest] if top else None,
+                    "fastest_peer": fastest_peer, "plan_top_vs_fastest_peer":
+                        top / peer[fastest_peer] if top and fastest_peer else None,
                     "measured_order": sorted(measured, key=measured.get, reverse=True),
                     "plan_order": [r["strategy"] for r in among]})
     return out
@@ -344,7 +387,8 @@ def main() -> None:
     print(table(summary, ["kind", "strategy", "cases", "mean_abs_error_%", "max_abs_error_%"]))
     md = RESULTS / "simulator_validation.md"
     plan_columns = ["model", "setting", "kind", "plan_top", "plan_top_measured_samples_s", "plan_top_among_measured",
-                    "fastest_measured", "fastest_measured_samples_s", "agree"]
+                    "fastest_measured", "fastest_measured_samples_s", "agree", "plan_top_vs_fastest",
+                    "fastest_peer", "plan_top_vs_fastest_peer"]
     print(table(plan, plan_columns))
     md.write_text(md.read_text() + "\nPer strategy (timed rows):\n\n"
                   + table(summary, ["kind", "strategy", "cases", "mean_abs_error_%", "max_abs_error_%"])
