@@ -5,7 +5,7 @@ predicts each measured setting:
 
 * ``cluster_allreduce_*.json``: single gloo all-reduces on emulated hosts;
 * ``engine_vs_ddp_cluster_*.json``, ``time_to_accuracy_*.json``,
-  ``simulator_runs_*.json``: median step times per strategy on emulated hosts
+  ``simulator_runs_*.json``, ``suite_*.json``: step times per strategy on emulated hosts
   (strategy names are those of ``bench/time_to_accuracy.py``'s table; rows
   with a ``flags`` list are read from it, so hierarchical and ps runs count
   as soon as they land);
@@ -319,14 +319,14 @@ def plan_check(cases: list[Case]) -> list[dict]:
     peers: dict[tuple, dict[str, float]] = {}
     for case in cases:
         if case.runs and case.runs[0].peer:
-            peers.setdefault((case.model, case.setting, case.kind), {})[case.strategy] = \
+            peers.setdefault((case.model, case.setting, case.kind, case.source), {})[case.strategy] = \
                 case.runs[0].workers(case.runs[1]) * case.runs[2] / case.measured
         elif case.runs:
-            groups.setdefault((case.model, case.setting, case.kind), []).append(case)
-    for (model, setting, kind), mine in groups.items():
+            groups.setdefault((case.model, case.setting, case.kind, case.source), []).append(case)
+    for (model, setting, kind, source), mine in groups.items():
         _, cluster, batch = mine[0].runs
         measured = {c.strategy: c.runs[0].workers(cluster) * batch / c.measured for c in mine}
-        peer = peers.get((model, setting, kind), {})
+        peer = peers.get((model, setting, kind, source), {})
         prof = profile(model).at_batch(batch)
         has_head = any(l.head for l in prof.layers)
         # Plan's own settings, and the measured ones (their knobs may lie between plan's).
@@ -338,7 +338,10 @@ def plan_check(cases: list[Case]) -> list[dict]:
         fastest = max(measured, key=measured.get)
         top = measured.get(ranked[0]["strategy"])
         fastest_peer = max(peer, key=peer.get) if peer else None
-        out.append({"model": model, "setting": setting, "kind": kind, "plan_top": ranked[0]["strategy"],
+        out.append({"model": model, "setting": setting, "kind": kind, "source": source,
+                    "plan_top": ranked[0]["strategy"], "plan_top_predicted_samples_s": ranked[0]["samples_per_s"],
+                    "plan_second": ranked[1]["strategy"] if len(ranked) > 1 else None,
+                    "plan_second_predicted_samples_s": ranked[1]["samples_per_s"] if len(ranked) > 1 else None,
                     "plan_top_measured_samples_s": top,
                     "plan_top_among_measured": among[0]["strategy"] if among else None,
                     "fastest_measured": fastest, "fastest_measured_samples_s": measured[fastest],
@@ -386,7 +389,7 @@ def main() -> None:
 
     print(table(summary, ["kind", "strategy", "cases", "mean_abs_error_%", "max_abs_error_%"]))
     md = RESULTS / "simulator_validation.md"
-    plan_columns = ["model", "setting", "kind", "plan_top", "plan_top_measured_samples_s", "plan_top_among_measured",
+    plan_columns = ["source", "model", "setting", "kind", "plan_top", "plan_top_measured_samples_s", "plan_top_among_measured",
                     "fastest_measured", "fastest_measured_samples_s", "agree", "plan_top_vs_fastest",
                     "fastest_peer", "plan_top_vs_fastest_peer"]
     print(table(plan, plan_columns))
