@@ -116,10 +116,11 @@ def emulated_latency_s() -> float:
 def shared_core_efficiency(model: str) -> float:
     """How much of its share of the cores a rank of ``model`` gets when the emulated hosts share
     this machine: the profile's compute at ``cpus / hosts`` cores over the compute-only step
-    bench/suite.py measured (one-process runs on every host at once, nothing exchanged). The
-    profile is each layer's fastest of several one-thread runs; processes sharing a core also
-    pay for switching, their caches, the training loop and data loading. 1 where the suite
-    has not measured the model (or measured it no slower than the profile says)."""
+    bench/suite.py measured (one-process runs on every host at once, nothing exchanged), the
+    mean over every suite file that measured the model. The profile is each layer's fastest of
+    several one-thread runs; processes sharing a core also pay for switching, their caches, the
+    training loop and data loading. 1 where the suite has not measured the model (at most 1)."""
+    ratios = []
     for path in sorted(RESULTS.glob("suite_*.json")):
         data = json.loads(path.read_text())
         s, cpus = data["settings"], data["machine"]["cpus"]
@@ -127,8 +128,8 @@ def shared_core_efficiency(model: str) -> float:
                         None)
         if measured:
             ideal = profile(model).at_batch(int(s["batch_size"])).compute_s * max(1.0, int(s["hosts"]) / cpus)
-            return min(1.0, ideal / measured)
-    return 1.0
+            ratios.append(ideal / measured)
+    return min(1.0, statistics.mean(ratios)) if ratios else 1.0
 
 
 def emulated(data: dict, model: str) -> Cluster:
