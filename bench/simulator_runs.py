@@ -1,8 +1,9 @@
-"""Short runs on an emulated cluster to check the simulator against: median step time per strategy.
+"""Short runs on an emulated cluster to check the simulator against: the step time of each strategy.
 
 Runs each strategy of ``bench/time_to_accuracy.py``'s table (the same flags),
-and a few more that ``convoy plan`` may pick, for 24 steps (the mean step of the slowest rank over steps 5-24) with ``convoy
-bench cluster`` (root) and writes
+and a few more that ``convoy plan`` may pick, for 24 steps with ``convoy bench
+cluster`` (root); the step is ``time_to_accuracy.step_figures``' mean over every
+rank's steps after the first 4. Writes
 bench/results/simulator_runs_<model>_<rate>.json in the time-to-accuracy
 schema (``settings`` + ``rows`` with ``strategy`` and ``step_s``), which
 ``bench/simulator_validation.py`` reads::
