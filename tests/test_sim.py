@@ -41,6 +41,17 @@ def test_ring_allreduce_is_the_bandwidth_optimal_closed_form():
     assert via_server(1e6, 4, link) == pytest.approx(3 * 1e6 / 12.5e6)
 
 
+def test_wake_up_shows_on_small_messages_and_hides_behind_large_ones():
+    link = Link(bytes_per_s=12.5e6, wake_s=3e-3)
+    assert link.transfer(1_000) == pytest.approx(3e-3)            # 80 us of bytes: the wake-up counts
+    assert link.transfer(1e6) == pytest.approx(1e6 / 12.5e6)       # 80 ms of bytes: it is hidden
+    assert ring_allreduce(4_000, 4, link) == pytest.approx(6 * 3e-3)
+    assert ring_allreduce(10e6, 4, link) == pytest.approx(1.2)
+    assert via_server(1e6, 4, Link(12.5e6, latency_s=1e-3, wake_s=1.0)) == pytest.approx(1e-3 + 1.0)
+    with pytest.raises(UsageError):
+        Link(12.5e6, wake_s=-1e-3)
+
+
 def test_calibration_allreduce_within_five_percent_of_the_emulated_cluster():
     # bench/results/cluster_allreduce_100mbit_4.json: 10 MB over 4 hosts at 100 Mbit took 1.283 s.
     predicted = ring_allreduce(10e6, 4, Cluster(4, 100e6).ring_link())
@@ -199,9 +210,10 @@ def test_bad_profile_and_cluster_files(tmp_path):
 
 def test_cluster_files_in_both_formats(tmp_path):
     (tmp_path / "c.toml").write_text('nodes = 4\nrate = "100mbit"\nracks = 2\ninter_rack_rate = "10mbit"\n'
-                                     'latency_ms = 0.5\ncores = 0.5\n')
+                                     'latency_ms = 0.5\nwake_ms = 3\ncores = 0.5\n')
     c = load_cluster(tmp_path / "c.toml")
     assert (c.nodes, c.rate_bps, c.racks, c.inter_rack_bps, c.latency_s, c.cores) == (4, 1e8, 2, 1e7, 5e-4, 0.5)
+    assert c.ring_link().wake_s == c.host_link().wake_s == 3e-3
     nodes = [{"rank": r, "host": f"h{r}", "cpu_mhz": 2000 if r < 3 else 1000, "memory_gb": 8, "gpu_mhz": 0,
               "gpu_memory_gb": 0, "disk_mbps": 500, "uplink_mbps": 1000 if r else 100} for r in range(4)]
     (tmp_path / "n.json").write_text(json.dumps({"nodes": nodes, "clusters": [[0, 1], [2, 3]], "servers": [0, 2]}))

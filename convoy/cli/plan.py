@@ -29,6 +29,7 @@ CLUSTER is a TOML or JSON file: either the simulator's keys
   rate = "100mbit"          # each host's link
   racks = 2                 # optional, with inter_rack_rate = "50mbit"
   latency_ms = 0.1          # optional
+  wake_ms = 1               # optional: a receiver's per-message time on busy shared cores
   speeds = [1, 1, 0.5, 1]   # optional relative compute speed per node
   cores = 0.5               # optional CPU cores per rank (emulated hosts)
 

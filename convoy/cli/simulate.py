@@ -46,6 +46,8 @@ def add_parser(subparsers: Any) -> None:
     net.add_argument("--racks", type=int, default=1, help="equal racks (default: 1)")
     net.add_argument("--inter-rack-rate", help="rate of the links between racks")
     net.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency per message (default: 0)")
+    net.add_argument("--wake-ms", type=float, default=0.0, help="a receiver's per-message time, hidden behind "
+                     "longer transfers: about 1-3 ms where busy ranks share cores (default: 0)")
     net.add_argument("--cores", type=float, help="CPU cores per rank when ranks share cores (0.5 for 4 "
                      "emulated hosts on 2 cores); default: a core per thread")
     s = p.add_argument_group("strategies and their knobs")
@@ -70,7 +72,8 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
     if args.cluster:
         return load_cluster(args.cluster)
     inter = parse_rate(args.inter_rack_rate) if args.inter_rack_rate else None
-    return Cluster(args.nodes, parse_rate(args.rate), args.racks, inter, args.latency_ms / 1e3, cores=args.cores)
+    return Cluster(args.nodes, parse_rate(args.rate), args.racks, inter, args.latency_ms / 1e3,
+                   wake_s=args.wake_ms / 1e3, cores=args.cores)
 
 
 def knobs_from_args(args: argparse.Namespace) -> Knobs:

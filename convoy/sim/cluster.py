@@ -7,6 +7,7 @@ Read from a TOML or JSON file, either in the simulator's own keys::
     racks = 2                  # optional
     inter_rack_rate = "100mbit"
     latency_ms = 0.05
+    wake_ms = 1                # optional: a receiver's per-message wake-up (busy shared hosts)
     speeds = [1, 1, 1, 1, 0.5, 0.5, 1, 1]   # optional, relative to the profiling machine
     cores = 0.5                # optional: CPU cores per rank, when ranks share a machine's cores
 
@@ -41,6 +42,8 @@ class Cluster:
         racks: equal racks; a ring crosses the links between racks.
         inter_rack_bps: the rate of the link between racks (needed with racks > 1).
         latency_s: one-way latency per message.
+        wake_s: a receiving thread's per-message time, hidden behind longer transfers
+            (:class:`convoy.sim.network.Link`); milliseconds where ranks share busy cores.
         speeds: relative compute speed per node (1 = the machine the profile is
             from); a synchronous step runs at the slowest node's pace.
         cores: CPU cores each rank has, when that is what limits it (0.5 for 4
@@ -63,6 +66,7 @@ class Cluster:
     racks: int = 1
     inter_rack_bps: float | None = None
     latency_s: float = 0.0
+    wake_s: float = 0.0
     speeds: tuple[float, ...] = field(default=())
     cores: float | None = None
     efficiency: float = TCP_EFFICIENCY
@@ -77,24 +81,24 @@ class Cluster:
             raise UsageError(f"racks must divide the {self.nodes} nodes, got {self.racks}")
         if self.racks > 1 and not (self.inter_rack_bps or 0) > 0:
             raise UsageError("a cluster with several racks needs an inter-rack rate > 0")
-        if self.latency_s < 0:
-            raise UsageError(f"latency must be >= 0, got {self.latency_s}")
+        if self.latency_s < 0 or self.wake_s < 0:
+            raise UsageError(f"latency and wake-up must be >= 0, got {self.latency_s} and {self.wake_s}")
         if self.speeds and (len(self.speeds) != self.nodes or min(self.speeds) <= 0):
             raise UsageError(f"speeds needs {self.nodes} values > 0, got {list(self.speeds)}")
         if (self.cores is not None and not self.cores > 0) or not 0 < self.efficiency <= 1:
             raise UsageError("cores must be > 0 and efficiency in (0, 1]")
 
     def host_link(self) -> Link:
-        return Link.from_bits(self.rate_bps, self.latency_s, self.efficiency)
+        return Link.from_bits(self.rate_bps, self.latency_s, self.efficiency, self.wake_s)
 
     def inter_rack_link(self) -> Link:
-        return Link.from_bits(self.inter_rack_bps or self.rate_bps, self.latency_s, self.efficiency)
+        return Link.from_bits(self.inter_rack_bps or self.rate_bps, self.latency_s, self.efficiency, self.wake_s)
 
     def ring_link(self) -> Link:
         """The bottleneck hop of a ring over all nodes: each rack boundary is crossed once each way."""
         if self.racks == 1:
             return self.host_link()
-        return Link.from_bits(min(self.rate_bps, self.inter_rack_bps), self.latency_s, self.efficiency)
+        return Link.from_bits(min(self.rate_bps, self.inter_rack_bps), self.latency_s, self.efficiency, self.wake_s)
 
     @property
     def slowdown(self) -> float:
@@ -157,7 +161,7 @@ def _rate(value: object) -> float:
 
 
 def _from_keys(data: dict, name: str) -> Cluster:
-    known = {"nodes", "rate", "racks", "inter_rack_rate", "latency_ms", "speeds", "cores", "name"}
+    known = {"nodes", "rate", "racks", "inter_rack_rate", "latency_ms", "wake_ms", "speeds", "cores", "name"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise UsageError(f"unknown cluster keys {unknown}; known: {', '.join(sorted(known))}")
@@ -165,6 +169,7 @@ def _from_keys(data: dict, name: str) -> Cluster:
     return Cluster(nodes=int(data["nodes"]), rate_bps=_rate(data["rate"]), racks=int(data.get("racks", 1)),
                    inter_rack_bps=_rate(inter) if inter is not None else None,
                    latency_s=float(data.get("latency_ms", 0.0)) / 1e3,
+                   wake_s=float(data.get("wake_ms", 0.0)) / 1e3,
                    speeds=tuple(float(s) for s in data.get("speeds", ())),
                    cores=float(data["cores"]) if "cores" in data else None, name=str(data.get("name", name)))
 

@@ -150,7 +150,7 @@ class ParameterServer(Strategy):
                     size = min(piece, remaining)
                     remaining -= size
                     key = (ready[l], l) if self.priority == "fifo" else (l,)  # graph and timed
-                    messages.append(Message(l, ready[l], link.latency_s + workers * size / link.bytes_per_s, key))
+                    messages.append(Message(l, ready[l], link.transfer(workers * size), key))
             ends, free[(server, direction)] = schedule(messages, free[(server, direction)])
             for message, end in zip(messages, ends):
                 done[message.layer] = max(done[message.layer], end)
