@@ -99,17 +99,24 @@ def step_time(strategy: Strategy, model: str, batch: int, cluster: Cluster) -> C
     return lambda: strategy.step_time(profile(model).at_batch(batch), cluster).step_s
 
 
+# Ranks exchange while the others compute (backward runs beside the engine's
+# exchanges), so a message waits for a receiver woken on a busy machine.
+EXCHANGE_WHILE_BUSY = True
+
+
 @lru_cache(maxsize=None)
-def emulated_latency_s() -> float:
-    """Seconds per message step on the emulated hosts: what the smallest measured gloo
-    all-reduce took beyond its bandwidth term, per step of the ring (0 without one)."""
-    rows = [r for path in RESULTS.glob("cluster_allreduce_*.json") for r in json.loads(path.read_text())["rows"]]
-    if not rows:
-        return 0.0
-    row = min(rows, key=lambda r: r["size_MB"])
-    n = int(row["hosts"])
-    bandwidth = ring_allreduce(row["size_MB"] * 1e6, n, Cluster(n, parse_rate(row["rate"])).ring_link())
-    return max(0.0, (row["allreduce_s"] - bandwidth) / (2 * (n - 1)))
+def emulated_wake_s(busy: bool = EXCHANGE_WHILE_BUSY) -> float:
+    """A receiver's per-message time on the emulated hosts: the smallest measured gloo all-reduce
+    per step of its ring (its bytes take microseconds), the mean over the link rates measured;
+    ``busy``: measured while every rank also computed (``bench/cluster_allreduce.py --busy``).
+    0 without a measurement."""
+    steps = []
+    for path in sorted(RESULTS.glob("cluster_allreduce_*.json")):
+        rows = [r for r in json.loads(path.read_text())["rows"] if bool(r.get("busy")) == busy]
+        if rows:
+            row = min(rows, key=lambda r: r["size_MB"])
+            steps.append(row["allreduce_s"] / (2 * (int(row["hosts"]) - 1)))
+    return statistics.mean(steps) if steps else 0.0
 
 
 @lru_cache(maxsize=None)
@@ -137,7 +144,7 @@ def emulated(data: dict, model: str) -> Cluster:
     hosts = int(s.get("hosts", 4))
     inter = s.get("inter_rack_rate")
     return Cluster(hosts, parse_rate(s.get("rate", "100mbit")), int(s.get("racks", 1)),
-                   parse_rate(inter) if inter else None, latency_s=emulated_latency_s(),
+                   parse_rate(inter) if inter else None, wake_s=emulated_wake_s(),
                    cores=data["machine"]["cpus"] / hosts * shared_core_efficiency(model))
 
 
@@ -239,9 +246,11 @@ def hierarchical_rows(path: Path, data: dict) -> Iterator[Case]:
 def allreduce_rows(path: Path, data: dict) -> Iterator[Case]:
     smallest = min(float(r["size_MB"]) for r in data["rows"])
     for row in data["rows"]:
-        cluster = Cluster(int(row["hosts"]), parse_rate(row["rate"]), latency_s=emulated_latency_s())
+        busy = bool(row.get("busy"))
+        cluster = Cluster(int(row["hosts"]), parse_rate(row["rate"]), wake_s=emulated_wake_s(busy))
         size = float(row["size_MB"])
-        yield Case(path.name, "-", f"{row['hosts']} hosts, {row['rate']}", f"gloo all-reduce {size:g} MB",
+        yield Case(path.name, "-", f"{row['hosts']} hosts, {row['rate']}" + (", busy" if busy else ""),
+                   f"gloo all-reduce {size:g} MB",
                    row["allreduce_s"], lambda size=size, c=cluster: ring_allreduce(size * 1e6, c.nodes, c.ring_link()),
                    kind="calibration" if size == smallest else "validation")
 
@@ -382,7 +391,7 @@ def main() -> None:
                             "mean_abs_error_%": statistics.mean(errors), "max_abs_error_%": max(errors)})
     plan = plan_check(cases)
     settings = {"profile_batch": PROFILE_BATCH, "loopback_bps": LOOPBACK_BPS, "costs": costs().__dict__,
-                "emulated_latency_s": emulated_latency_s(),
+                "emulated_wake_s": emulated_wake_s(), "emulated_wake_idle_s": emulated_wake_s(False),
                 "summary": summary, "plan_check": plan}
     save("simulator_validation", settings, rows,
          ["kind", "source", "model", "setting", "strategy", "measured", "predicted", "unit", "error_%"])
