@@ -88,6 +88,18 @@ def test_error_feedback_conserves_the_gradient_exactly(compressor):
             assert torch.equal(memory.residuals["l"][sent != 0], torch.zeros(int((sent != 0).sum())))
 
 
+@pytest.mark.parametrize("compressor", [
+    BlockTopKCompressor(1), BlockTopKCompressor(2, selection="global"), TopKCompressor(0.05),
+    RandomKCompressor(0.05), FP16Compressor(),
+], ids=["blocktopk", "blocktopk-global", "topk", "randomk", "fp16"])
+def test_decompress_add_equals_adding_the_dense_tensor(compressor):
+    info = LayerInfo(shapes=(torch.Size([6, 3, 3, 3]), torch.Size([6])))
+    torch.manual_seed(1)
+    payload, ctx = compressor.compress(torch.randn(168), "l", info)
+    base = torch.randn(168)
+    assert torch.equal(compressor.decompress_add(payload, ctx, base.clone()), base + compressor.decompress(payload, ctx))
+
+
 def test_topk_and_randomk_send_their_share():
     flat = torch.tensor([0.1, -4.0, 0.2, 3.0, 0.0, 0.5, -0.3, 0.05, 1.0, 0.0])
     top = TopKCompressor(0.2)

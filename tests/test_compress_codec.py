@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from convoy.compress import BlockLayout
-from convoy.compress.rle import CodecError, decode, encode, max_encoded_bytes
+from convoy.compress.rle import CodecError, decode, decode_add, encode, max_encoded_bytes
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 shapes_st = st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple), min_size=0, max_size=4)
@@ -50,6 +50,15 @@ def test_round_trip(case):
     decoded = decode(payload, layout.shapes)
     assert decoded.dtype == flat.dtype
     assert torch.equal(decoded, _expected(layout, flat, kept))
+
+
+@settings(max_examples=100, deadline=None)
+@given(sparse_layers())
+def test_decode_add_equals_adding_the_decoded_tensor(case):
+    layout, flat, kept = case
+    payload = encode(flat, layout, kept)
+    base = torch.randn(layout.numel).to(flat.dtype)
+    assert torch.equal(decode_add(payload, base.clone(), layout.shapes), base + decode(payload, layout.shapes))
 
 
 def test_named_cases_empty_all_zero_all_kept_one_block():

@@ -61,6 +61,14 @@ class Compressor(ABC):
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         """Rebuild a dense tensor from ``payload``."""
 
+    def decompress_add(self, payload: Payload, ctx: Any, out: torch.Tensor) -> torch.Tensor:
+        """Add the dense tensor of ``payload`` to ``out`` in place and return ``out``.
+
+        Summing every rank's gathered payload this way spares a dense tensor per
+        rank; sparse compressors override it to touch only what they carry.
+        """
+        return out.add_(self.decompress(payload, ctx))
+
     def max_payload_bytes(self, ctx: Any) -> int | None:
         """An upper bound on the payload's bytes that every rank computes alike, or None.
 

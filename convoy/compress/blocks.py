@@ -170,11 +170,24 @@ class BlockLayout:
 
     def scatter(self, values: torch.Tensor, kept: Sequence[torch.Tensor]) -> torch.Tensor:
         """A dense flat tensor: ``values`` (from :meth:`gather`) at the kept blocks, zeros elsewhere."""
-        out = values.new_zeros(self.numel)
+        return self._place(values, kept, values.new_zeros(self.numel), add=False)
+
+    def scatter_add(self, values: torch.Tensor, kept: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Add ``values`` (from :meth:`gather`) to the kept blocks of the flat ``out``, in place."""
+        if out.numel() != self.numel:
+            raise ValueError(f"out holds {out.numel()} values, the layout {self.numel}")
+        return self._place(values, kept, out, add=True)
+
+    def _place(self, values: torch.Tensor, kept: Sequence[torch.Tensor], out: torch.Tensor,
+               add: bool) -> torch.Tensor:
         start = 0
         for s, idx in zip(self.segments, kept):
             n = idx.numel() * s.block_size
-            s.view(out).index_copy_(0, idx, values[start:start + n].view(-1, s.block_size))
+            rows = values[start:start + n].view(-1, s.block_size)
+            if add:
+                s.view(out).index_add_(0, idx, rows)
+            else:
+                s.view(out).index_copy_(0, idx, rows)
             start += n
         if start != values.numel():
             raise ValueError(f"{values.numel()} values for {start} kept elements")

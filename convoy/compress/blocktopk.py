@@ -85,6 +85,12 @@ class BlockTopKCompressor(Compressor):
             return layout.scatter(payload[0], kept)
         return rle.decode(payload[0], expected_shapes=ctx[0].shapes)
 
+    def decompress_add(self, payload: Payload, ctx: Any, out: torch.Tensor) -> torch.Tensor:
+        if self.selection == "global":
+            layout, kept = ctx
+            return layout.scatter_add(payload[0], kept, out)
+        return rle.decode_add(payload[0], out, expected_shapes=ctx[0].shapes)
+
     def max_payload_bytes(self, ctx: Any) -> int | None:
         if self.selection == "global":
             return None

@@ -127,6 +127,24 @@ def decode(payload: torch.Tensor, expected_shapes: Sequence[Sequence[int]] | Non
         CodecError: the payload is truncated, corrupt, of an unknown version, or
             describes other shapes than ``expected_shapes``.
     """
+    layout, values, indices = _parse(payload, expected_shapes)
+    return layout.scatter(values, indices)
+
+
+def decode_add(payload: torch.Tensor, out: torch.Tensor,
+               expected_shapes: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """Add what :func:`decode` would return to ``out`` (flat, in place), touching only the kept blocks.
+
+    Raises:
+        CodecError: as :func:`decode`.
+    """
+    layout, values, indices = _parse(payload, expected_shapes)
+    return layout.scatter_add(values, indices, out)
+
+
+def _parse(payload: torch.Tensor, expected_shapes: Sequence[Sequence[int]] | None
+           ) -> tuple[BlockLayout, torch.Tensor, list[torch.Tensor]]:
+    """``(layout, kept values, kept block indices per segment)`` of a checked payload."""
     if payload.dtype != torch.uint8 or payload.dim() != 1:
         raise CodecError(f"payload must be a 1-D uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}")
     data = memoryview(payload.contiguous().numpy())
@@ -160,7 +178,7 @@ def decode(payload: torch.Tensor, expected_shapes: Sequence[Sequence[int]] | Non
     if raw.numel() != expected_bytes:
         raise CodecError(f"payload holds {raw.numel()} value bytes, its runs need {expected_bytes}")
     # clone: a slice at an odd byte offset cannot be viewed as wider values.
-    return layout.scatter(raw.clone().view(dtype), indices)
+    return layout, raw.clone().view(dtype), indices
 
 
 def _indices(pairs: np.ndarray, blocks: int) -> torch.Tensor:

@@ -49,6 +49,10 @@ class TopKCompressor(Compressor):
         numel, dtype = ctx
         return torch.zeros(numel, dtype=dtype).index_put_((indices.long(),), values)
 
+    def decompress_add(self, payload: Payload, ctx: Any, out: torch.Tensor) -> torch.Tensor:
+        values, indices = payload
+        return out.index_add_(0, indices.long(), values)
+
     def max_payload_bytes(self, ctx: Any) -> int | None:
         numel, dtype = ctx
         return kept_count(numel, self.fraction) * (dtype.itemsize + 4)  # values and int32 indices

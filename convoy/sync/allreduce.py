@@ -9,7 +9,7 @@ import torch.distributed as dist
 from convoy.compress import Compressor, IdentityCompressor, LayerInfo, Memory, NoMemory
 from convoy.engine.layers import Bucket
 from convoy.sync.base import Done, PendingSync, SyncStrategy
-from convoy.sync.rows import pack_row, row_extent, unpack_row
+from convoy.sync.rows import pack_row, row_extent, sum_rows
 
 
 def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
@@ -120,11 +120,7 @@ class AllReduce(SyncStrategy):
         self._count(moved, moved)
 
         def finish() -> torch.Tensor:
-            total = None
-            for row in rows:
-                dense = compressor.decompress(unpack_row(row, dtypes), ctx)
-                total = dense if total is None else total.add_(dense)
-            return total.div_(self.world_size)
+            return sum_rows(compressor, rows, dtypes, ctx).div_(self.world_size)
 
         return _PendingAllReduce(work, finish)
 

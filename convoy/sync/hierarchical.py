@@ -24,7 +24,7 @@ from convoy.engine.layers import Bucket
 from convoy.sync.allreduce import AllReduce
 from convoy.sync.base import Done, PendingSync
 from convoy.sync.cycle import CycleExchange
-from convoy.sync.rows import pack_row, row_extent, unpack_row
+from convoy.sync.rows import pack_row, row_extent, sum_rows
 
 
 class _PendingStar(PendingSync):
@@ -205,11 +205,7 @@ class Hierarchical(AllReduce):
         others = len(self.members) - 1
 
         def average(rows: list[torch.Tensor]) -> torch.Tensor:
-            total = None
-            for row in rows:
-                dense = compressor.decompress(unpack_row(row, dtypes), ctx)
-                total = dense if total is None else total.add_(dense)
-            return total.div_(len(rows))
+            return sum_rows(compressor, rows, dtypes, ctx).div_(len(rows))
 
         if self.rank != server:
             relayed = torch.empty(others * width, dtype=torch.uint8)

@@ -7,7 +7,11 @@ all-gathered or sent point to point, and decoded by any rank that knows the dtyp
 """
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import torch
+
+from convoy.compress.base import Compressor
 
 
 def row_extent(payload: list[torch.Tensor]) -> tuple[int, int]:
@@ -37,3 +41,18 @@ def unpack_row(row: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Tenso
     pieces = row[head:head + sum(sizes)].split(sizes)
     # clone: a slice at an odd byte offset cannot be viewed as wider values.
     return [piece.clone().view(dtype) for piece, dtype in zip(pieces, dtypes)]
+
+
+def sum_rows(compressor: Compressor, rows: Sequence[torch.Tensor], dtypes: list[torch.dtype],
+             ctx: Any) -> torch.Tensor:
+    """The sum of the dense tensors the ``rows`` carry, added in the order given.
+
+    Every rank adds the same rows in the same order, so every rank gets the
+    identical sum. One dense tensor is built; the other rows are added into it
+    (``Compressor.decompress_add``), which for sparse payloads touches only
+    what they carry.
+    """
+    total = compressor.decompress(unpack_row(rows[0], dtypes), ctx)
+    for row in rows[1:]:
+        compressor.decompress_add(unpack_row(row, dtypes), ctx, total)
+    return total
