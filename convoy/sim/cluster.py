@@ -82,7 +82,8 @@ class Cluster:
         if self.racks > 1 and not (self.inter_rack_bps or 0) > 0:
             raise UsageError("a cluster with several racks needs an inter-rack rate > 0")
         if self.latency_s < 0 or self.wake_s < 0:
-            raise UsageError(f"latency and wake-up must be >= 0, got {self.latency_s} and {self.wake_s}")
+            raise UsageError(f"latency and wake-up must be >= 0, got latency {self.latency_s} s "
+                             f"and wake-up {self.wake_s} s")
         if self.speeds and (len(self.speeds) != self.nodes or min(self.speeds) <= 0):
             raise UsageError(f"speeds needs {self.nodes} values > 0, got {list(self.speeds)}")
         if (self.cores is not None and not self.cores > 0) or not 0 < self.efficiency <= 1:
