@@ -1,10 +1,11 @@
-"""How a worker reports its failure: to stderr, and to the launcher's error file."""
+"""How a worker ends: its failure reported to stderr and the launcher's error file, then a hard exit."""
 from __future__ import annotations
 
 import json
 import os
 import sys
 import traceback
+from typing import Callable, NoReturn
 
 from convoy.errors import UsageError
 
@@ -41,3 +42,23 @@ def read_failure(path: str) -> dict | None:
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
+def run_and_exit(body: Callable[[], None], rank: int) -> NoReturn:
+    """Run a worker's ``body``, report a failure, and end the process with its exit code.
+
+    The process ends with ``os._exit`` on success too. On failure the
+    auxiliary thread may sit in a collective with a dead peer, and a normal
+    exit would wait for it. On success gloo's worker threads may still drop
+    the last reference to a tensor while the interpreter finalizes; Python
+    then ends that thread with ``pthread_exit``, which C++ turns into
+    ``std::terminate`` (a SIGABRT after the job's work is all done).
+    """
+    try:
+        body()
+        code = 0
+    except BaseException as exc:
+        code = report_failure(exc, rank)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

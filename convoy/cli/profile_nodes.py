@@ -5,8 +5,9 @@ import argparse
 import json
 import os
 import sys
+from typing import NoReturn
 
-from convoy.cli.errors import report_failure
+from convoy.cli.errors import run_and_exit
 from convoy.cli.launch import run_ranks
 from convoy.cluster import (INDICATORS, SERVER_CHOICES, ClusterPlan, load_profile_file, parse_clusters,
                             parse_weights, plan_job)
@@ -56,34 +57,32 @@ def _check(args: argparse.Namespace, world: int) -> None:
 def run(args: argparse.Namespace) -> int:
     if launched_by_torchrun():
         _check(args, int(os.environ["WORLD_SIZE"]))
-        return _run_worker(args)
+        _run_worker(args)
     _check(args, args.nproc)
     values = {k: v for k, v in vars(args).items() if k != "func"}
     argv = [sys.executable, "-m", "convoy", "_profile_worker", json.dumps(values)]
     return run_ranks(lambda rank: argv, args.nproc, "127.0.0.1", "lo")
 
 
-def _run_worker_from_json(args: argparse.Namespace) -> int:
-    return _run_worker(argparse.Namespace(**json.loads(args.args_json)))
+def _run_worker_from_json(args: argparse.Namespace) -> NoReturn:
+    _run_worker(argparse.Namespace(**json.loads(args.args_json)))
 
 
-def _run_worker(args: argparse.Namespace) -> int:
+def _run_worker(args: argparse.Namespace) -> NoReturn:
     from convoy import runtime
 
     rank = int(os.environ.get("RANK", 0))
-    try:
+
+    def body() -> None:
         ctx = runtime.init()
         overrides = load_profile_file(args.node_profile) if args.node_profile else None
         plan = plan_job(parse_weights(args.indicator_weights), parse_clusters(args.clusters), args.seed,
                         args.reelect_every, args.server_choice, overrides, ctx.local_rank)
         runtime.shutdown()
-    except BaseException as exc:
-        code = report_failure(exc, rank)
-        sys.stdout.flush()
-        os._exit(code)
-    if rank == 0:
-        print(json.dumps(plan.as_json(), indent=2) if args.json else render(plan), flush=True)
-    return 0
+        if rank == 0:
+            print(json.dumps(plan.as_json(), indent=2) if args.json else render(plan), flush=True)
+
+    run_and_exit(body, rank)
 
 
 def render(plan: ClusterPlan) -> str:

@@ -5,10 +5,10 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
+from typing import NoReturn
 
-from convoy.cli.errors import report_failure
+from convoy.cli.errors import run_and_exit
 from convoy.cli.launch import launch
 from convoy.errors import UsageError
 from convoy.runtime import launched_by_torchrun
@@ -58,7 +58,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if launched_by_torchrun():
-        return run_worker(config)
+        run_worker(config)
     if config.parallel == "hybrid" and config.conv_workers + config.fc_workers != config.nproc:
         raise UsageError(f"--conv-workers + --fc-workers ({config.conv_workers + config.fc_workers}) must "
                          f"equal --nproc ({config.nproc})")
@@ -67,26 +67,22 @@ def run(args: argparse.Namespace) -> int:
     return launch(json.dumps(dataclasses.asdict(config)), config.nproc)
 
 
-def run_worker_from_file(args: argparse.Namespace) -> int:
+def run_worker_from_file(args: argparse.Namespace) -> NoReturn:
     with open(args.config_json) as f:
-        return run_worker(TrainConfig(**json.load(f)).validate())
+        run_worker(TrainConfig(**json.load(f)).validate())
 
 
-def run_worker(config: TrainConfig) -> int:
+def run_worker(config: TrainConfig) -> NoReturn:
     """Train as one rank; never leave the job hanging on failure."""
     from convoy.runtime import shutdown
     from convoy.train.loop import run as train
 
     rank = int(os.environ.get("RANK", 0))
-    try:
+
+    def body() -> None:
         summary = train(config)
         shutdown()
-    except BaseException as exc:
-        code = report_failure(exc, rank)
-        sys.stdout.flush()
-        # The auxiliary thread may sit in a collective with a dead peer; a
-        # normal interpreter exit would wait for it.
-        os._exit(code)
-    if rank == 0:
-        print(summary.line(), flush=True)
-    return 0
+        if rank == 0:
+            print(summary.line(), flush=True)
+
+    run_and_exit(body, rank)
