@@ -1,8 +1,9 @@
-"""The benchmarks' step figures from metrics files: what a job's period is."""
+"""The benchmarks' figures from metrics and result files: a job's period, accuracy at a budget."""
 import json
 
 import pytest
 
+from bench.accuracy_at_budget import accuracy_at, budget_rows
 from bench.time_to_accuracy import step_figures
 
 
@@ -30,3 +31,35 @@ def test_ranks_are_averaged(tmp_path):
     figures = step_figures(tmp_path)
     assert figures["step_s"] == pytest.approx(0.3)
     assert figures["MB_sent/step"] == pytest.approx(100e-6)
+
+
+def _run(strategy, curve, hit):
+    return {"model": "m", "rate": "1gbit", "strategy": strategy, "curve": curve, "time_to_target_s": hit}
+
+
+def test_accuracy_at_a_budget_is_the_last_evaluation_before_it():
+    curve = [(10.0, 0.5), (20.0, 0.8), (30.0, 0.9)]
+    assert accuracy_at(curve, 5.0) is None
+    assert accuracy_at(curve, 20.0) == 0.8
+    assert accuracy_at(curve, 29.9) == 0.8
+
+
+def test_the_default_budget_is_the_settings_earliest_hit():
+    rows = [_run("slow", [(10.0, 0.6), (40.0, 0.9), (80.0, 0.97)], 80.0),
+            _run("fast", [(20.0, 0.7), (45.0, 0.98)], 45.0),
+            _run("failed", [], None)]
+    table = budget_rows(rows)
+    assert [(r["strategy"], r["budget_s"], r["accuracy_at_budget"]) for r in table] == [
+        ("fast", 45.0, 0.98), ("slow", 45.0, 0.9)]
+    assert all(r["note"] == "" for r in table)
+
+
+def test_a_run_that_stopped_before_a_longer_budget_is_marked():
+    rows = [_run("fast", [(20.0, 0.7), (45.0, 0.98)], 45.0), _run("never", [(30.0, 0.5), (90.0, 0.8)], None)]
+    marked = {r["strategy"]: r["note"] for r in budget_rows(rows, budget_s=100.0)}
+    assert marked["fast"] and not marked["never"]
+
+
+def test_without_a_hit_a_budget_must_be_given():
+    with pytest.raises(ValueError, match="no run of m at 1gbit reached the target"):
+        budget_rows([_run("never", [(30.0, 0.5)], None)])
