@@ -49,10 +49,11 @@ def budget_rows(rows: Sequence[dict], budget_s: float | None = None) -> list[dic
     out = []
     for (model, rate), runs in settings.items():
         budget = budget_s if budget_s is not None else _earliest_hit(runs, model, rate)
-        for run in sorted(runs, key=lambda r: -(accuracy_at(r["curve"], budget) or 0.0)):
+        at_budget = [(accuracy_at(run["curve"], budget), run) for run in runs]
+        for accuracy, run in sorted(at_budget, key=lambda pair: -(pair[0] or 0.0)):
             stopped = run["time_to_target_s"] is not None and run["curve"][-1][0] < budget
             out.append({"model": model, "rate": rate, "strategy": run["strategy"], "budget_s": budget,
-                        "accuracy_at_budget": accuracy_at(run["curve"], budget),
+                        "accuracy_at_budget": accuracy,
                         "note": "stopped at the target before the budget" if stopped else ""})
     return out
 
