@@ -63,3 +63,16 @@ def test_a_run_that_stopped_before_a_longer_budget_is_marked():
 def test_without_a_hit_a_budget_must_be_given():
     with pytest.raises(ValueError, match="no run of m at 1gbit reached the target"):
         budget_rows([_run("never", [(30.0, 0.5)], None)])
+
+
+def test_suite_steps_become_a_plan_steps_file(tmp_path):
+    from bench.plan_time_to_target import write_steps_file
+    from convoy.sim.convergence import load_convergence
+
+    data = {"settings": {"batch_size": 16, "hosts": 4, "target": 0.97, "warmup_steps": 20}}
+    rows = [{"strategy": "dense", "steps_to_target": 50}, {"strategy": "hierarchical", "steps_to_target": 75},
+            {"strategy": "blocktopk", "steps_to_target": None}, {"strategy": "powersgd", "steps_to_target": 175}]
+    convergence = load_convergence(write_steps_file("resnet18", "1gbit", data, rows, tmp_path), 4)
+    assert convergence.steps == {"allreduce": 50, "hierarchical K=2 T=4": 75, "allreduce blocktopk 0.01": None}
+    assert (convergence.model, convergence.nodes, convergence.warmup_steps) == ("resnet18", 4, 20)
+    assert "bench/two_racks.toml" in convergence.flags["hierarchical K=2 T=4"]   # relative to the repository

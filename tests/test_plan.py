@@ -97,3 +97,95 @@ def test_flags_and_from_flags_are_inverse():
 
     for strategy in candidates(8, racks=2, has_head=True):
         assert from_flags(strategy.flags(), 8).label == strategy.label
+
+
+def steps_file(tmp_path, runs: list[dict], **top) -> str:
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps({**top, "runs": runs}))
+    return str(path)
+
+
+def test_steps_to_target_rank_by_time_to_accuracy_not_by_step(tmp_path):
+    from convoy.sim.convergence import load_convergence
+
+    # topk 1% has the faster step at 100 Mbit, but needing 20x the steps it must lose to dense.
+    path = steps_file(tmp_path, [{"flags": "", "steps_to_target": 100},
+                                 {"flags": "--compress topk --element-fraction 0.01", "steps_to_target": 2000},
+                                 {"flags": ["--compress", "fp16"], "steps_to_target": None}])
+    convergence = load_convergence(path, 4)
+    rows = rank(fc_heavy(), Cluster(4, 100e6), candidates(4, has_head=True), train_flags(), train_choices(),
+                convergence)
+    by_name = {r["strategy"]: r for r in rows}
+    assert by_name["allreduce topk 0.01"]["step_s"] < by_name["allreduce"]["step_s"]
+    assert [r["strategy"] for r in rows[:2]] == ["allreduce", "allreduce topk 0.01"]
+    assert by_name["allreduce"]["time_to_target_s"] == pytest.approx(100 * by_name["allreduce"]["step_s"])
+    # Then the unmeasured ones by samples/s, and last (of the available) the one that never got there.
+    available = [r for r in rows if r["available"]]
+    assert available[-1]["strategy"] == "allreduce fp16" and available[-1]["steps_to_target"] is None
+    middle = [r["samples_per_s"] for r in available[2:-1]]
+    assert middle == sorted(middle, reverse=True) and not any(r["measured"] for r in available[2:-1])
+
+
+def test_warmup_steps_are_counted_dense_and_kept_in_the_command(tmp_path):
+    from convoy.sim.codec import Compression
+    from convoy.sim.convergence import load_convergence
+    from convoy.sim.strategies import AllReduce
+
+    path = steps_file(tmp_path, [{"flags": "--compress topk", "steps_to_target": 50},
+                                 {"flags": "", "steps_to_target": 30}], warmup_steps=20)
+    convergence = load_convergence(path, 4)
+    cluster, profile = Cluster(4, 100e6), fc_heavy()
+    dense_s = AllReduce().step_time(profile, cluster).step_s
+    topk = AllReduce(Compression("topk", 0.01))
+    topk_s = topk.step_time(profile, cluster).step_s
+    assert convergence.time_to_target(topk, profile, cluster) == pytest.approx(20 * dense_s + 30 * topk_s)
+    assert convergence.time_to_target(AllReduce(), profile, cluster) == pytest.approx(30 * dense_s)
+    rows = {r["strategy"]: r for r in rank(profile, cluster, [topk, AllReduce()], train_flags(), train_choices(),
+                                           convergence)}
+    assert rows["allreduce topk 0.01"]["command"].endswith("--warmup-steps 20")
+    assert "--warmup-steps" not in rows["allreduce"]["command"]
+    config_from_args(build_parser().parse_args(shlex.split(rows["allreduce topk 0.01"]["command"])[1:])).validate()
+
+
+def test_plan_cli_with_steps_to_target(tmp_path, capsys):
+    (tmp_path / "p.json").write_text(json.dumps(fc_heavy().to_json()))
+    (tmp_path / "c.toml").write_text('nodes = 4\nrate = "1gbit"\n')
+    path = steps_file(tmp_path, [{"flags": "--parallel hybrid --conv-workers 2 --fc-workers 2", "steps_to_target": 80},
+                                 {"flags": "", "steps_to_target": 60}], model="vgg_fc", batch_size=16, nodes=4)
+    argv = ["plan", str(tmp_path / "c.toml"), "--profile", str(tmp_path / "p.json"), "--batch-size", "16"]
+    assert main(argv + ["--steps-to-target", path, "--top", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "shortest predicted time to target first" in out[0] and "time to target s" in out[1]
+    assert len(out) == 2 + 3 and "-" in out[4].split()
+    assert main(argv + ["--steps-to-target", path, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {rows[0]["strategy"], rows[1]["strategy"]} == {"allreduce", "hybrid 2+2"}
+    assert rows[0]["time_to_target_s"] <= rows[1]["time_to_target_s"] and rows[2]["time_to_target_s"] is None
+
+
+@pytest.mark.parametrize("top, runs, message", [
+    ({"model": "resnet18"}, [{"flags": "", "steps_to_target": 5}], "measured with model resnet18"),
+    ({"nodes": 8}, [{"flags": "", "steps_to_target": 5}], "measured with number of nodes 8"),
+    ({}, [{"flags": "", "steps_to_target": 0}], "positive integer or null"),
+    ({}, [{"flags": "", "steps_to_target": "5"}], "positive integer or null"),
+    ({}, [{"steps_to_target": 5}], "needs \"flags\""),
+    ({}, [], "non-empty list"),
+    ({}, [{"flags": "--compress zip", "steps_to_target": 5}], "unknown strategy"),
+    ({"warmup_steps": -1}, [{"flags": "", "steps_to_target": 5}], "warmup_steps"),
+    ({"batch_size": "x"}, [{"flags": "", "steps_to_target": 5}], "bad steps-to-target file"),
+])
+def test_plan_cli_bad_steps_file(tmp_path, capsys, top, runs, message):
+    (tmp_path / "p.json").write_text(json.dumps(fc_heavy().to_json()))
+    (tmp_path / "c.toml").write_text('nodes = 4\nrate = "1gbit"\n')
+    path = steps_file(tmp_path, runs, **top)
+    assert main(["plan", str(tmp_path / "c.toml"), "--profile", str(tmp_path / "p.json"), "--batch-size", "16",
+                 "--steps-to-target", path]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("convoy: error: ") and message in err[0]
+
+
+def test_plan_cli_missing_steps_file(tmp_path, capsys):
+    (tmp_path / "c.toml").write_text('nodes = 4\nrate = "1gbit"\n')
+    assert main(["plan", str(tmp_path / "c.toml"), "--model", "lenet", "--steps-to-target",
+                 str(tmp_path / "none.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -5,12 +5,13 @@ import argparse
 import dataclasses
 import json
 import shlex
-from typing import Any
+from typing import Any, Sequence
 
 from convoy.cli.sim_args import add_model_args, resolve_profile
 from convoy.errors import UsageError
 from convoy.sim.catalog import candidates
 from convoy.sim.cluster import Cluster, load_cluster
+from convoy.sim.convergence import Convergence, load_convergence
 from convoy.sim.profile import ModelProfile
 from convoy.sim.strategies import Strategy
 from convoy.sim.table import format_table
@@ -36,13 +37,28 @@ CLUSTER is a TOML or JSON file: either the simulator's keys
 or the JSON of convoy profile-nodes --json (per-node uplink_mbps and clock
 rates; its clusters become racks).
 
-Plan ranks speed per step, not accuracy: sparse compression and long
-exchange periods can cost accuracy (see the README's Compression section).
+By itself plan ranks speed per step, not accuracy: sparse compression, long
+exchange periods and fewer data workers can cost steps (see the README's
+Benchmarks). --steps-to-target FILE gives it each strategy's measured steps
+to a target accuracy, and plan ranks by steps x predicted step time. Steps
+do not depend on the link, so measure them once (same model, batch and
+number of nodes) on any cluster, e.g. the emulated one of convoy bench:
+
+  {"model": "resnet18", "batch_size": 16, "nodes": 4, "target": 0.97,
+   "runs": [{"flags": "--compress fp16", "steps_to_target": 50},
+            {"flags": "--compress topk", "steps_to_target": 175},
+            {"flags": "--compress blocktopk --block-fraction 0.01",
+             "steps_to_target": null}]}
+
+(flags as plan prints them; null: never reached the target; model,
+batch_size, nodes and target are optional and checked when given).
+
 Strategies whose flags this convoy does not have yet are listed as
 unavailable and never ranked first.
 
-Example:
+Examples:
   convoy plan cluster.toml --model vgg_fc --batch-size 16 --top 10
+  convoy plan cluster.toml --model resnet18 --batch-size 16 --steps-to-target steps.json
 """
 
 
@@ -52,6 +68,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("cluster", metavar="CLUSTER", help="cluster description (TOML/JSON) or profile-nodes JSON")
     add_model_args(p)
     p.add_argument("--top", type=int, default=15, help="rows to print (default: 15; --json prints all)")
+    p.add_argument("--steps-to-target", metavar="FILE",
+                   help="measured steps to a target accuracy per strategy (JSON, see below): rank by predicted "
+                        "time to that accuracy instead of samples per second")
     p.set_defaults(func=run)
 
 
@@ -89,42 +108,82 @@ def available(flags: list[str], known: set[str], choices: dict[str, tuple[str, .
     return True
 
 
-def command(strategy: Strategy, nodes: int, model: str, batch_size: int) -> str:
+def command(strategy: Strategy, nodes: int, model: str, batch_size: int, extra: Sequence[str] = ()) -> str:
     """The ``convoy train`` line that runs ``strategy`` (the same flags work under torchrun)."""
     return shlex.join(["convoy", "train", "--nproc", str(nodes), "--model", model,
-                       "--batch-size", str(batch_size), *strategy.flags()])
+                       "--batch-size", str(batch_size), *strategy.flags(), *extra])
 
 
 def rank(profile: ModelProfile, cluster: Cluster, strategies: list[Strategy], known: set[str],
-         choices: dict[str, tuple[str, ...]]) -> list[dict]:
-    """Predict every strategy; fastest (samples/s) available first, unavailable ones after."""
+         choices: dict[str, tuple[str, ...]], convergence: Convergence | None = None) -> list[dict]:
+    """Predict every strategy; the best available first, unavailable ones after.
+
+    Best is the most samples per second, or with ``convergence`` (measured steps
+    to a target accuracy per strategy) the shortest predicted time to the
+    target. Then strategies whose steps were not measured follow by samples per
+    second, and last those that never reached the target.
+    """
     rows = []
     for strategy in strategies:
         b = strategy.step_time(profile, cluster)
-        rows.append({**b.to_json(), "samples_per_s": strategy.workers(cluster) * profile.batch_size / b.step_s,
-                     "available": available(strategy.flags(), known, choices),
-                     "command": command(strategy, cluster.nodes, profile.name, profile.batch_size)})
-    rows.sort(key=lambda r: (not r["available"], -r["samples_per_s"]))
+        extra = convergence.warmup_flags() if convergence and convergence.warms_up(strategy) else []
+        row = {**b.to_json(), "samples_per_s": strategy.workers(cluster) * profile.batch_size / b.step_s,
+               "available": available(strategy.flags(), known, choices),
+               "command": command(strategy, cluster.nodes, profile.name, profile.batch_size, extra)}
+        if convergence is not None:
+            row.update(measured=strategy.label in convergence.steps,
+                       steps_to_target=convergence.steps.get(strategy.label),
+                       time_to_target_s=convergence.time_to_target(strategy, profile, cluster, b.step_s))
+        rows.append(row)
+    rows.sort(key=_order)
     for i, row in enumerate(rows, 1):
         row["rank"] = i
     return rows
+
+
+def _order(row: dict) -> tuple:
+    if "measured" not in row:
+        return (not row["available"], -row["samples_per_s"])
+    if row["time_to_target_s"] is not None:
+        return (not row["available"], 0, row["time_to_target_s"])
+    return (not row["available"], 1 if not row["measured"] else 2, -row["samples_per_s"])
 
 
 def run(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise UsageError(f"--top must be >= 1, got {args.top}")
     cluster = load_cluster(args.cluster)
+    convergence = load_convergence(args.steps_to_target, cluster.nodes) if args.steps_to_target else None
     profile, costs = resolve_profile(args)
     has_head = any(l.head for l in profile.layers) and any(not l.head for l in profile.layers)
-    rows = rank(profile, cluster, candidates(cluster.nodes, cluster.racks, has_head, costs),
-                train_flags(), train_choices())
+    strategies = {s.label: s for s in candidates(cluster.nodes, cluster.racks, has_head, costs)}
+    if convergence:
+        convergence.check(profile.name, profile.batch_size, cluster.nodes)
+        # Measured settings whose knobs plan does not try itself are ranked too; plan ranks convoy's own only.
+        strategies.update({s.label: s for s in convergence.strategies(cluster.nodes, costs)
+                           if not s.peer and s.label not in strategies})
+    rows = rank(profile, cluster, list(strategies.values()), train_flags(), train_choices(),
+                convergence)
     if args.json:
         print(json.dumps({"model": profile.name, "batch_size": profile.batch_size, "nodes": cluster.nodes,
-                          "rows": rows}, indent=1))
+                          "target": convergence.target if convergence else None, "rows": rows}, indent=1))
         return 0
+    by = "shortest predicted time to target first" if convergence else "fastest first"
     print(f"{profile.name}, batch {profile.batch_size} per worker, on {cluster.nodes} nodes at "
-          f"{cluster.rate_bps / 1e6:g} Mbit/s: {len(rows)} settings, fastest first")
-    table = [[r["rank"], r["strategy"], r["step_s"], r["samples_per_s"],
-              r["command"] if r["available"] else "(not in this convoy) " + r["command"]] for r in rows[:args.top]]
-    print(format_table(["#", "strategy", "step s", "samples/s", "command"], table))
+          f"{cluster.rate_bps / 1e6:g} Mbit/s: {len(rows)} settings, {by}")
+    print(format_table(*_table(rows[:args.top], convergence is not None)))
     return 0
+
+
+def _table(rows: list[dict], with_steps: bool) -> tuple[list[str], list[list]]:
+    header = ["#", "strategy", "step s", "samples/s"]
+    if with_steps:
+        header += ["steps to target", "time to target s"]
+    table = []
+    for r in rows:
+        cells = [r["rank"], r["strategy"], r["step_s"], r["samples_per_s"]]
+        if with_steps:
+            cells += [r["steps_to_target"] or ("not reached" if r["measured"] else "-"),
+                      r["time_to_target_s"] if r["time_to_target_s"] is not None else "-"]
+        table.append(cells + [r["command"] if r["available"] else "(not in this convoy) " + r["command"]])
+    return header + ["command"], table
