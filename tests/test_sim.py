@@ -216,9 +216,10 @@ def test_cluster_files_in_both_formats(tmp_path):
     assert c.ring_link().wake_s == c.host_link().wake_s == 3e-3
     nodes = [{"rank": r, "host": f"h{r}", "cpu_mhz": 2000 if r < 3 else 1000, "memory_gb": 8, "gpu_mhz": 0,
               "gpu_memory_gb": 0, "disk_mbps": 500, "uplink_mbps": 1000 if r else 100} for r in range(4)]
-    (tmp_path / "n.json").write_text(json.dumps({"nodes": nodes, "clusters": [[0, 1], [2, 3]], "servers": [0, 2]}))
+    (tmp_path / "n.json").write_text(json.dumps({"nodes": nodes, "clusters": [[0, 1], [2, 3]], "servers": [0, 2],
+                                                 "latency_ms": 0.5, "wake_ms": 3}))
     n = load_cluster(tmp_path / "n.json")
-    assert (n.nodes, n.rate_bps, n.racks) == (4, 1e8, 2)
+    assert (n.nodes, n.rate_bps, n.racks, n.latency_s, n.wake_s) == (4, 1e8, 2, 5e-4, 3e-3)
     assert n.speeds == (1.0, 1.0, 1.0, 0.5) and n.slowdown == 2.0
 
 

@@ -13,7 +13,8 @@ Read from a TOML or JSON file, either in the simulator's own keys::
 
 or as written by ``convoy profile-nodes --json`` (``{"nodes": [{"rank", "host",
 "cpu_mhz", "gpu_mhz", "uplink_mbps", ...}], "clusters": [[ranks]], ...}``):
-uplinks give the link rates, clock rates the relative speeds, clusters the racks.
+uplinks give the link rates, clock rates the relative speeds, clusters the racks;
+``latency_ms`` and ``wake_ms`` added at its top level are read as above.
 """
 from __future__ import annotations
 
@@ -192,4 +193,5 @@ def _from_node_profiles(data: dict, name: str) -> Cluster:
     inter = data.get("inter_rack_mbps")
     return Cluster(nodes=len(nodes), rate_bps=min(uplinks), racks=racks,
                    inter_rack_bps=float(inter) * 1e6 if inter else (min(uplinks) if racks > 1 else None),
-                   latency_s=float(data.get("latency_ms", 0.0)) / 1e3, speeds=speeds, name=name)
+                   latency_s=float(data.get("latency_ms", 0.0)) / 1e3, wake_s=float(data.get("wake_ms", 0.0)) / 1e3,
+                   speeds=speeds, name=name)
