@@ -104,6 +104,26 @@ def test_layerwise_updates_hide_where_a_barrier_pays_them_all():
     assert simulate(fwd, bwd, upd, exchanges, barrier=True).step_s == pytest.approx(15.0)
 
 
+def test_busy_wire_share_counts_only_exchanges_beside_compute():
+    # Layer 1's exchange runs beside layer 0's backward; layer 0's while the next forward waits for it.
+    exchanges = [Exchange((1,), 1.0), Exchange((0,), 1.0)]
+    assert simulate([1, 1], [1, 1], [0, 0], exchanges).busy_wire_share == pytest.approx(0.5)
+    assert simulate([1, 1], [1, 1], [0, 0], exchanges, barrier=True).busy_wire_share == pytest.approx(0.5)
+    # Communication-bound: after the first second beside layer 0's backward, the ranks only wait.
+    assert simulate([1, 1], [1, 1], [0, 0], [Exchange((1,), 5), Exchange((0,), 5)]).busy_wire_share \
+        == pytest.approx(1 / 10)
+
+
+def test_network_cpu_steals_only_beside_compute():
+    # Short of cores, the stack's CPU for the bytes comes out of the step in proportion to the busy share.
+    from convoy.sim.strategies.base import Breakdown
+
+    t = simulate([1, 1], [1, 1], [0, 0], [Exchange((1,), 1.0), Exchange((0,), 1.0)])
+    cluster = Cluster(4, 1e9, cores=0.5)
+    b = Breakdown.from_timeline("x", t, cluster, sent_bytes=1e9, ns_per_byte=1.0)
+    assert b.step_s - t.step_s == pytest.approx(2 * 1e9 * 1e-9 * 0.5 / 0.5)
+
+
 def test_every_layer_needs_exactly_one_exchange():
     with pytest.raises(ValueError):
         simulate([1, 1], [1, 1], [0, 0], [Exchange((0,), 1)])

@@ -47,8 +47,8 @@ class CpuCosts:
         "none": 0.0, "fp16": 3.0, "randomk": 14.4, "topk": 14.5, "blocktopk": 1.5})
     decompress: dict[str, float] = field(default_factory=lambda: {
         "none": 0.0, "fp16": 0.15, "randomk": 0.5, "topk": 0.35, "blocktopk": 0.35})
-    engine_ns_per_byte: float = 0.95
-    peer_ns_per_byte: float = 0.3
+    engine_ns_per_byte: float = 1.1
+    peer_ns_per_byte: float = 0.65
     compress_call_us: dict[str, float] = field(default_factory=lambda: {
         "none": 0.0, "fp16": 12.0, "randomk": 52.0, "topk": 55.0, "blocktopk": 430.0})
     decompress_call_us: dict[str, float] = field(default_factory=lambda: {

@@ -52,6 +52,8 @@ class Timeline:
         aux_s: the auxiliary thread's work (updates and compression).
         wire_s: seconds the exchanges occupy their channels (hidden or not).
         forward_wait_s: how long the next forward waited for updates.
+        busy_wire_share: the share of the exchanges' channel time during which the
+            main thread computed (the network stack's CPU competes with it only then).
     """
 
     step_s: float
@@ -59,6 +61,7 @@ class Timeline:
     aux_s: float
     wire_s: float
     forward_wait_s: float
+    busy_wire_share: float = 1.0
 
 
 def simulate(forward: Sequence[float], backward: Sequence[float], update: Sequence[float],
@@ -77,41 +80,62 @@ def simulate(forward: Sequence[float], backward: Sequence[float], update: Sequen
     main = aux = 0.0
     channels: dict[tuple[int, int], float] = {}
     starts, waits = [], []
+    computing: list[tuple[float, float]] = []      # the main thread's forward and backward
+    on_wire: list[list[tuple[float, float]]] = []  # each step's exchanges on their channels
     for _ in range(_STEPS):
         starts.append(main)
         t, waited = main, 0.0
         for l in range(n):
             waited += max(0.0, updated[l] - t)
-            t = max(t, updated[l]) + forward[l]
+            t = max(t, updated[l])
+            computing.append((t, t + forward[l]))
+            t += forward[l]
         waits.append(waited)
         ready = [0.0] * n
+        computing.append((t, t + sum(backward)))
         for l in reversed(range(n)):
             t += backward[l]
             ready[l] = t
+        spans: list[tuple[float, float]] = []
         if barrier:
-            main, updated = _ddp_step(t, ready, update, exchanges, channels)
+            main, updated = _ddp_step(t, ready, update, exchanges, channels, spans)
         else:
             main = t
-            aux, updated = _aux_step(aux, ready, update, exchanges, channels)
+            aux, updated = _aux_step(aux, ready, update, exchanges, channels, spans)
+        on_wire.append(spans)
     main_work = sum(forward) + sum(backward)
     return Timeline(step_s=starts[-1] - starts[-2], compute_s=main_work + (sum(update) if barrier else 0.0),
                     aux_s=(0.0 if barrier else sum(update)) + sum(e.codec_s for e in exchanges),
-                    wire_s=sum(e.wire_s + e.reply_s for e in exchanges), forward_wait_s=waits[-1])
+                    wire_s=sum(e.wire_s + e.reply_s for e in exchanges), forward_wait_s=waits[-1],
+                    busy_wire_share=_busy_share(on_wire[-2], computing))
 
 
-def _start(exchange: Exchange, now: float, channels: dict[tuple[int, int], float]) -> float:
+def _busy_share(spans: list[tuple[float, float]], computing: list[tuple[float, float]]) -> float:
+    """How much of ``spans`` (a step's exchanges, whose next forward is simulated too) overlaps ``computing``."""
+    total = sum(end - start for start, end in spans)
+    if total <= 0:
+        return 1.0
+    busy = sum(max(0.0, min(end, c_end) - max(start, c_start)) for start, end in spans for c_start, c_end in computing)
+    return min(1.0, busy / total)
+
+
+def _start(exchange: Exchange, now: float, channels: dict[tuple[int, int], float],
+           spans: list[tuple[float, float]]) -> float:
     """Put ``exchange`` on its channel at ``now`` or when the channel frees up; return its end."""
     end = now
     for direction, seconds in enumerate((exchange.wire_s, exchange.reply_s)):
         if seconds or not direction:
             key = (exchange.channel, direction)
-            end = max(end, channels.get(key, 0.0)) + seconds
+            start = max(end, channels.get(key, 0.0))
+            end = start + seconds
             channels[key] = end
+            spans.append((start, end))
     return end
 
 
 def _aux_step(aux: float, ready: list[float], update: Sequence[float], exchanges: Sequence[Exchange],
-              channels: dict[tuple[int, int], float]) -> tuple[float, list[float]]:
+              channels: dict[tuple[int, int], float], spans: list[tuple[float, float]]
+              ) -> tuple[float, list[float]]:
     updated = [0.0] * len(ready)
     in_flight: deque[tuple[Exchange, float]] = deque()
 
@@ -124,7 +148,7 @@ def _aux_step(aux: float, ready: list[float], update: Sequence[float], exchanges
     now = aux
     for exchange in exchanges:
         now = max([now] + [ready[l] for l in exchange.layers]) + exchange.codec_s
-        in_flight.append((exchange, _start(exchange, now, channels)))
+        in_flight.append((exchange, _start(exchange, now, channels, spans)))
         while in_flight and in_flight[0][1] <= now:   # is_done() polled after each start
             now = finish(in_flight.popleft()[0], now)
     while in_flight:
@@ -133,12 +157,14 @@ def _aux_step(aux: float, ready: list[float], update: Sequence[float], exchanges
     return now, updated
 
 
-def _ddp_step(backward_end: float, ready: list[float], update: Sequence[float],
-              exchanges: Sequence[Exchange], channels: dict[tuple[int, int], float]) -> tuple[float, list[float]]:
+def _ddp_step(backward_end: float, ready: list[float], update: Sequence[float], exchanges: Sequence[Exchange],
+              channels: dict[tuple[int, int], float], spans: list[tuple[float, float]]
+              ) -> tuple[float, list[float]]:
     end = backward_end
     for exchange in exchanges:
         # DDP launches a bucket's all-reduce from the autograd hook, on the main
         # thread: codec time (PowerSGD's matmuls) delays backward too, ignored here.
-        end = max(end, _start(exchange, max(ready[l] for l in exchange.layers) + exchange.codec_s, channels))
+        end = max(end, _start(exchange, max(ready[l] for l in exchange.layers) + exchange.codec_s, channels,
+                              spans))
     done = end + sum(update)
     return done, [done] * len(ready)

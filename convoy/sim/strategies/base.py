@@ -42,9 +42,10 @@ class Breakdown:
         """A breakdown of the timeline ``t`` (simulated with compute slowed by
         ``cluster.slowdown``), plus what the side work steals where cores are short.
 
-        The network stack's work is ``ns_per_byte`` for every byte sent and received.
+        The network stack's work is ``ns_per_byte`` for every byte sent and received,
+        and steals only while the main thread computes (``t.busy_wire_share``).
         """
-        side = t.aux_s / cluster.slowdown + 2 * sent_bytes * ns_per_byte * 1e-9
+        side = t.aux_s / cluster.slowdown + 2 * sent_bytes * ns_per_byte * 1e-9 * t.busy_wire_share
         stolen = cluster.stolen_s(side)
         notes = {"forward_wait_s": t.forward_wait_s, **notes}
         if stolen:
