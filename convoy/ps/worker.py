@@ -8,7 +8,6 @@ The next forward's pre-hook on a layer waits only for that layer.
 """
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any, Callable
 
