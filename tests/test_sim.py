@@ -124,6 +124,16 @@ def test_network_cpu_steals_only_beside_compute():
     assert b.step_s - t.step_s == pytest.approx(2 * 1e9 * 1e-9 * 0.5 / 0.5)
 
 
+def test_a_remote_exchange_does_not_hold_back_this_ranks_updates():
+    # Hybrid's FC ring runs on the FC workers: layer 0's update must not wait behind it.
+    # In the engine's order the aux thread would finish layer 1 (10 s) before layer 0: period 13.
+    # Remote, only layer 1's own next forward waits for it: fwd 1 + bwd 1 + ring 10 = 12.
+    own = [Exchange((1,), 10.0, channel=1), Exchange((0,), 1.0)]
+    remote = [Exchange((1,), 10.0, channel=1, remote=True), Exchange((0,), 1.0)]
+    assert simulate([1, 1], [1, 1], [0, 0], own).step_s == pytest.approx(13.0)
+    assert simulate([1, 1], [1, 1], [0, 0], remote).step_s == pytest.approx(12.0)
+
+
 def test_every_layer_needs_exactly_one_exchange():
     with pytest.raises(ValueError):
         simulate([1, 1], [1, 1], [0, 0], [Exchange((0,), 1)])

@@ -32,6 +32,9 @@ class Exchange:
         channel: exchanges on different channels (separate links) do not wait for each other.
         reply_s: seconds of a second stage on the channel's other direction once
             the first ends (a server's reply: reduce in, then broadcast out).
+        remote: run by other ranks (hybrid's FC ring, on the FC workers): it
+            starts once its layers are ready, and this rank's auxiliary thread
+            neither starts it nor waits for it before its own updates.
     """
 
     layers: tuple[int, ...]
@@ -39,6 +42,7 @@ class Exchange:
     codec_s: float = 0.0
     channel: int = 0
     reply_s: float = 0.0
+    remote: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,8 @@ def simulate(forward: Sequence[float], backward: Sequence[float], update: Sequen
         on_wire.append(spans)
     main_work = sum(forward) + sum(backward)
     return Timeline(step_s=starts[-1] - starts[-2], compute_s=main_work + (sum(update) if barrier else 0.0),
-                    aux_s=(0.0 if barrier else sum(update)) + sum(e.codec_s for e in exchanges),
+                    aux_s=sum(e.codec_s + (0.0 if barrier else sum(update[l] for l in e.layers))
+                              for e in exchanges if not e.remote),
                     wire_s=sum(e.wire_s + e.reply_s for e in exchanges), forward_wait_s=waits[-1],
                     busy_wire_share=_busy_share(on_wire[-2], computing))
 
@@ -145,8 +150,10 @@ def _aux_step(aux: float, ready: list[float], update: Sequence[float], exchanges
             updated[l] = now
         return now
 
+    for exchange in (e for e in exchanges if e.remote):
+        finish(exchange, _start(exchange, max(ready[l] for l in exchange.layers) + exchange.codec_s, channels, []))
     now = aux
-    for exchange in exchanges:
+    for exchange in (e for e in exchanges if not e.remote):
         now = max([now] + [ready[l] for l in exchange.layers]) + exchange.codec_s
         in_flight.append((exchange, _start(exchange, now, channels, spans)))
         while in_flight and in_flight[0][1] <= now:   # is_done() polled after each start

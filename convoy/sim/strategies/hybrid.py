@@ -73,7 +73,7 @@ class Hybrid(Strategy):
         backward = [l.backward_s for l in conv.layers] + [sum(l.backward_s for l in head.layers) + link_back]
         update = [l.update_s for l in conv.layers] + [sum(l.update_s for l in head.layers)]
         last = len(conv.layers)
-        exchanges = [Exchange((last,), fc_ring, channel=1)] + [
+        exchanges = [Exchange((last,), fc_ring, channel=1, remote=True)] + [
             Exchange((i,), allreduce(conv.layers[i].nbytes, self.conv_workers, cluster.ring_link()))
             for i in reversed(range(last))]
         t = simulate(forward, backward, update, exchanges)
