@@ -54,7 +54,8 @@ def write_steps_file(model: str, rate: str, data: dict, rows: list[dict], folder
              "measured_at": rate} for r in rows if STRATEGIES[r["strategy"]][0] == "train"]
     path = folder / f"steps_to_target_{model}_{rate}.json"
     path.write_text(json.dumps({"model": model, "batch_size": int(s["batch_size"]), "nodes": int(s["hosts"]),
-                                "target": float(s["target"]), "warmup_steps": int(s["warmup_steps"]), "runs": runs}, indent=1) + "\n")
+                                "target": float(s["target"]), "warmup_steps": int(s["warmup_steps"]),
+                                "runs": runs}, indent=1) + "\n")
     return path
 
 
