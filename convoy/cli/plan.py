@@ -11,9 +11,10 @@ from convoy.cli.sim_args import add_model_args, resolve_profile
 from convoy.errors import UsageError
 from convoy.sim.catalog import candidates
 from convoy.sim.cluster import Cluster, load_cluster
+from convoy.sim.codec import Compression
 from convoy.sim.convergence import Convergence, load_convergence
 from convoy.sim.profile import ModelProfile
-from convoy.sim.strategies import Strategy
+from convoy.sim.strategies import AllReduce, Strategy
 from convoy.sim.table import format_table
 
 DESCRIPTION = """\
@@ -123,7 +124,7 @@ def rank(profile: ModelProfile, cluster: Cluster, strategies: list[Strategy], kn
     target. Then strategies whose steps were not measured follow by samples per
     second, and last those that never reached the target.
     """
-    rows = []
+    rows, dense_s = [], None
     for strategy in strategies:
         b = strategy.step_time(profile, cluster)
         extra = convergence.warmup_flags() if convergence and convergence.warms_up(strategy) else []
@@ -131,9 +132,11 @@ def rank(profile: ModelProfile, cluster: Cluster, strategies: list[Strategy], kn
                "available": available(strategy.flags(), known, choices),
                "command": command(strategy, cluster.nodes, profile.name, profile.batch_size, extra)}
         if convergence is not None:
+            if dense_s is None and convergence.warms_up(strategy):   # once: every warm-up step is dense
+                dense_s = AllReduce(Compression(), getattr(strategy, "costs", None)).step_time(profile, cluster).step_s
             row.update(measured=strategy.label in convergence.steps,
                        steps_to_target=convergence.steps.get(strategy.label),
-                       time_to_target_s=convergence.time_to_target(strategy, profile, cluster, b.step_s))
+                       time_to_target_s=convergence.time_to_target(strategy, b.step_s, dense_s or 0.0))
         rows.append(row)
     rows.sort(key=_order)
     for i, row in enumerate(rows, 1):

@@ -33,10 +33,7 @@ from pathlib import Path
 
 from convoy.errors import UsageError
 from convoy.sim.catalog import from_flags
-from convoy.sim.cluster import Cluster
-from convoy.sim.codec import Compression
 from convoy.sim.cpu import CpuCosts
-from convoy.sim.profile import ModelProfile
 from convoy.sim.strategies import AllReduce, Strategy
 
 
@@ -47,7 +44,8 @@ class Convergence:
     Example::
 
         >>> c = Convergence({"allreduce fp16": 50}, model="resnet18", warmup_steps=20)
-        >>> c.time_to_target(AllReduce(Compression("fp16")), profile, cluster)
+        >>> c.time_to_target(AllReduce(Compression("fp16")), step_s=1.0, dense_step_s=2.0)
+        70.0
     """
 
     steps: dict[str, int | None]
@@ -58,20 +56,18 @@ class Convergence:
     target: float | None = None
     warmup_steps: int = 0
 
-    def time_to_target(self, strategy: Strategy, profile: ModelProfile, cluster: Cluster,
-                       step_s: float | None = None) -> float | None:
+    def time_to_target(self, strategy: Strategy, step_s: float, dense_step_s: float) -> float | None:
         """Predicted seconds to the target (None: steps not measured or never reached).
 
         Args:
-            step_s: the strategy's predicted step, when already computed.
+            step_s: the strategy's predicted step.
+            dense_step_s: the dense all-reduce's, which warm-up steps take.
         """
         count = self.steps.get(strategy.label)
         if not count:
             return None
-        step_s = step_s if step_s is not None else strategy.step_time(profile, cluster).step_s
         dense = min(count, self.warmup_steps) if self.warms_up(strategy) else 0
-        dense_s = AllReduce(Compression(), strategy.costs).step_time(profile, cluster).step_s if dense else 0.0
-        return dense * dense_s + (count - dense) * step_s
+        return dense * dense_step_s + (count - dense) * step_s
 
     def warms_up(self, strategy: Strategy) -> bool:
         """Whether the runs sent this strategy's first steps dense: its command needs ``warmup_flags()``."""

@@ -84,9 +84,11 @@ def simulate(forward: Sequence[float], backward: Sequence[float], update: Sequen
     main = aux = 0.0
     channels: dict[tuple[int, int], float] = {}
     starts, waits = [], []
-    computing: list[tuple[float, float]] = []      # the main thread's forward and backward
+    computing: list[tuple[float, float]] = []      # the main thread's forward and backward, last two steps
     on_wire: list[list[tuple[float, float]]] = []  # each step's exchanges on their channels
-    for _ in range(_STEPS):
+    for step in range(_STEPS):
+        if step == _STEPS - 2:   # the busy share is taken of this step's exchanges, which end by the next one's
+            computing.clear()
         starts.append(main)
         t, waited = main, 0.0
         for l in range(n):
