@@ -22,7 +22,8 @@ The file (JSON)::
 
 ``flags`` are the ``convoy train`` flags that select the strategy (what plan
 prints); ``null`` steps: the run ended without reaching the target.
-``model``, ``batch_size``, ``nodes``, ``target`` and ``warmup_steps`` (0) are optional.
+``model``, ``batch_size``, ``nodes``, ``target`` and ``warmup_steps`` (0) are optional;
+other keys (a run's ``measured_at``, say) are ignored.
 """
 from __future__ import annotations
 
