@@ -7,6 +7,7 @@ import pytest
 
 from convoy.cli.main import main
 from convoy.errors import UsageError
+from convoy.sim import threads
 from convoy.sim.cluster import Cluster, load_cluster
 from convoy.sim.codec import Compression
 from convoy.sim.network import Link, ring_allgather, ring_allreduce, via_server
@@ -137,6 +138,61 @@ def test_a_remote_exchange_does_not_hold_back_this_ranks_updates():
 def test_every_layer_needs_exactly_one_exchange():
     with pytest.raises(ValueError):
         simulate([1, 1], [1, 1], [0, 0], [Exchange((0,), 1)])
+
+
+def test_threads_share_a_core_and_wait_for_each_other():
+    finished: list[float] = []
+
+    def compute(seconds: float):
+        finished.append((yield ("cpu", seconds)))
+
+    def after_first(seconds: float):
+        yield ("until", lambda: finished[0] if finished else None)
+        yield ("cpu", seconds)
+
+    assert threads.run([compute(1.0), compute(1.0)], shared_rate=0.5) == pytest.approx(2.0)
+    assert threads.run([compute(1.0), compute(1.0)]) == pytest.approx(1.0)
+    finished.clear()
+    # Alone the second runs at full speed: 1 + 2.
+    assert threads.run([compute(1.0), after_first(2.0)], shared_rate=0.5) == pytest.approx(3.0)
+    finished.clear()
+    with pytest.raises(RuntimeError, match="deadlock"):
+        threads.run([after_first(1.0)])
+    with pytest.raises(ValueError, match="shared_rate"):
+        threads.run([compute(1.0)], shared_rate=0.0)
+
+
+def test_compression_beside_backward_slows_both_threads_on_a_shared_core():
+    # Layer 1's codec (1 s) runs while layer 0's backward (1 s) does: at half speed
+    # each, both end 2 s later and the period grows from 4 to 5.
+    exchanges = [Exchange((1,), 0.0, codec_s=1.0), Exchange((0,), 0.0)]
+    alone = simulate([1, 1], [1, 1], [0, 0], exchanges)
+    shared = simulate([1, 1], [1, 1], [0, 0], exchanges, shared_rate=0.5)
+    assert (alone.step_s, shared.step_s) == (pytest.approx(4.0), pytest.approx(5.0))
+    assert shared.aux_shared and not alone.aux_shared
+    assert Cluster(4, 1e9).shared_rate is None
+    assert [Cluster(4, 1e9, cores=c).shared_rate for c in (0.5, 1.5, 4)] == [0.5, 0.75, 1.0]
+
+
+def test_lanes_hide_latency_but_not_bytes():
+    # Two 4 s exchanges that are all latency overlap on two lanes (period 11 -> 8);
+    # all bytes, they still queue on the link.
+    latency = [Exchange((1,), 4.0, bytes_s=0.0), Exchange((0,), 4.0, bytes_s=0.0)]
+    loaded = [Exchange((1,), 4.0), Exchange((0,), 4.0)]
+    assert simulate([1, 1], [1, 1], [0, 0], latency).step_s == pytest.approx(11.0)
+    assert simulate([1, 1], [1, 1], [0, 0], latency, lanes=2).step_s == pytest.approx(8.0)
+    assert simulate([1, 1], [1, 1], [0, 0], loaded, lanes=2).step_s == pytest.approx(11.0)
+    with pytest.raises(ValueError, match="lanes"):
+        simulate([1, 1], [1, 1], [0, 0], loaded, lanes=0)
+
+
+def test_the_auxiliary_thread_waits_for_an_agreement():
+    # Global blocktopk: layer 1's score all-reduce (2 s) blocks the aux thread, so
+    # layer 0's exchange (3 s) starts at 5, not when its gradient is ready at 4.
+    agreed = [Exchange((1,), 0.0, agree=Exchange((1,), 2.0, bytes_s=0.0)), Exchange((0,), 3.0, bytes_s=0.0)]
+    in_flight = [Exchange((1,), 2.0, bytes_s=0.0), Exchange((0,), 3.0, bytes_s=0.0)]
+    assert simulate([1, 1], [1, 1], [0, 0], agreed, lanes=2).step_s == pytest.approx(8.0)
+    assert simulate([1, 1], [1, 1], [0, 0], in_flight, lanes=2).step_s == pytest.approx(7.0)
 
 
 # -------------------------------------------------------------- strategies

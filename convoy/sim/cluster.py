@@ -119,6 +119,14 @@ class Cluster:
             return 0.0
         return side_cpu_s / self.cores / self.speed
 
+    @property
+    def shared_rate(self) -> float | None:
+        """The speed of each of a rank's two busy threads against one alone, where the
+        rank's cores are counted (``cores``): half below one core, 1 from two up."""
+        if self.cores is None:
+            return None
+        return min(1.0, self.cores / 2) / min(1.0, self.cores)
+
     def with_active(self, active: int) -> "Cluster":
         """The cluster as ``active`` computing ranks see it: ranks that mostly wait (parameter
         servers, FC workers during the conv phase) leave their share of shared cores to them."""

@@ -48,8 +48,8 @@ class Compression:
 
     def payload(self, shapes: tuple[tuple[int, ...], ...]) -> tuple[str, int]:
         """``(collective, bytes)`` of one layer: ``allreduce`` of a summable tensor or
-        ``allgather`` of one row per rank. Global blocktopk is an all-reduce of the
-        block scores followed by one of the values: ``allreduce2`` with their sum."""
+        ``allgather`` of one row per rank. Global blocktopk's values are all-reduced
+        once the ranks agreed on the blocks (:meth:`agreement`)."""
         numel = sum(numel_of(s) for s in shapes)
         if self.name == "none":
             return "allreduce", 4 * numel
@@ -64,12 +64,18 @@ class Compression:
         counts = layout.kept_counts(None if self.block_fraction is not None else (self.blocks_per_layer or 1),
                                     self.block_fraction)
         if self.selection == "global":
-            values = sum(k * s.block_size for k, s in zip(counts, layout.segments))
-            return "allreduce2", 4 * layout.total_blocks + 4 * values
+            return "allreduce", 4 * sum(k * s.block_size for k, s in zip(counts, layout.segments))
         from convoy.compress import rle
         import torch
 
         return "allgather", _SIZE_HEADER + rle.max_encoded_bytes(layout, counts, torch.float32)
+
+    def agreement(self, shapes: tuple[tuple[int, ...], ...]) -> int:
+        """Bytes of the all-reduce that must end before a layer's payload can be built:
+        global blocktopk's block scores (the auxiliary thread waits for it); else 0."""
+        if self.name != "blocktopk" or self.selection != "global":
+            return 0
+        return 4 * BlockLayout(shapes).total_blocks
 
     def label(self) -> str:
         if self.name in ("topk", "randomk"):

@@ -11,22 +11,25 @@ from convoy.sim.strategies.base import Breakdown, Strategy
 from convoy.sim.strategies.ddp import ddp_buckets
 from convoy.sync.allreduce import ring_allreduce_bytes
 
+# ProcessGroupGloo runs this many collectives at once (its worker threads, 2 by default).
+GLOO_LANES = 2
+
 
 def layer_exchange(collective: str, nbytes: int, n: int, link: Link) -> tuple[float, float]:
-    """``(wire seconds, bytes one worker sends)`` of one layer's exchange among ``n`` ranks.
-
-    ``allreduce2`` is global blocktopk: its scores and values, ``nbytes`` in total, in two all-reduces.
-    """
+    """``(wire seconds, bytes one worker sends)`` of one layer's exchange among ``n`` ranks."""
+    if n <= 1:
+        return 0.0, 0
     if collective == "allgather":
-        return allgather(nbytes, n, link), (n - 1) * nbytes if n > 1 else 0
-    wire = allreduce(nbytes, n, link)
-    if collective == "allreduce2":   # the second all-reduce's latency; the bytes are already counted
-        wire += wire - allreduce(nbytes, n, Link(link.bytes_per_s))
-    return wire, ring_allreduce_bytes(nbytes, n)
+        return allgather(nbytes, n, link), (n - 1) * nbytes
+    return allreduce(nbytes, n, link), ring_allreduce_bytes(nbytes, n)
 
 
 class AllReduce(Strategy):
     """Layer-wise ring all-reduce (or all-gather of sparse payloads), overlapped as the engine does.
+
+    Two collectives run at once (gloo's worker threads); global blocktopk's score
+    all-reduce holds the auxiliary thread until it ends; compression shares the
+    rank's cores with backward where it has fewer than two.
 
     Args:
         compression: what each layer's gradient becomes on the wire.
@@ -59,10 +62,12 @@ class AllReduce(Strategy):
         exchanges, sent = [], 0.0
         for bucket in ddp_buckets(p.layers, self.bucket_mb, self.bucket_mb):
             shapes = tuple(s for i in bucket for s in p.layers[i].shapes)
-            wire, moved = layer_exchange(*self.compression.payload(shapes), n, link) if n > 1 else (0.0, 0)
+            wire, moved = layer_exchange(*self.compression.payload(shapes), n, link)
+            agree_wire, agree_moved = layer_exchange("allreduce", self.compression.agreement(shapes), n, link)
+            agree = Exchange(tuple(bucket), agree_wire, bytes_s=agree_moved / link.bytes_per_s) if agree_moved else None
             codec = self.costs.seconds(self.compression, shapes, n) * cluster.slowdown
-            exchanges.append(Exchange(tuple(bucket), wire, codec))
-            sent += moved
+            exchanges.append(Exchange(tuple(bucket), wire, codec, bytes_s=moved / link.bytes_per_s, agree=agree))
+            sent += moved + agree_moved
         t = simulate([l.forward_s for l in p.layers], [l.backward_s for l in p.layers],
-                     [l.update_s for l in p.layers], exchanges)
+                     [l.update_s for l in p.layers], exchanges, lanes=GLOO_LANES, shared_rate=cluster.shared_rate)
         return Breakdown.from_timeline(self.label, t, cluster, sent, self.costs.engine_ns_per_byte)

@@ -43,9 +43,11 @@ class Breakdown:
         ``cluster.slowdown``), plus what the side work steals where cores are short.
 
         The network stack's work is ``ns_per_byte`` for every byte sent and received,
-        and steals only while the main thread computes (``t.busy_wire_share``).
+        and steals only while the main thread computes (``t.busy_wire_share``); the
+        auxiliary thread's steals too, unless the timeline already shared the CPU.
         """
-        side = t.aux_s / cluster.slowdown + 2 * sent_bytes * ns_per_byte * 1e-9 * t.busy_wire_share
+        aux = 0.0 if t.aux_shared else t.aux_s / cluster.slowdown
+        side = aux + 2 * sent_bytes * ns_per_byte * 1e-9 * t.busy_wire_share
         stolen = cluster.stolen_s(side)
         notes = {"forward_wait_s": t.forward_wait_s, **notes}
         if stolen:
