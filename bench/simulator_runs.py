@@ -28,7 +28,9 @@ from bench.time_to_accuracy import STRATEGIES as PEER_TABLE, step_figures  # noq
 # The time-to-accuracy strategies, and settings convoy plan ranks high on slow links.
 STRATEGIES = {**PEER_TABLE,
               "blocktopk-k1": ["train", "--compress", "blocktopk", "--blocks-per-layer", "1"],
-              "randomk": ["train", "--compress", "randomk", "--element-fraction", "0.01"]}
+              "randomk": ["train", "--compress", "randomk", "--element-fraction", "0.01"],
+              "ps2-fifo": ["train", "--sync", "ps", "--servers", "2", "--priority", "fifo"],
+              "ps2-graph": ["train", "--sync", "ps", "--servers", "2", "--priority", "graph"]}
 
 
 def foreign_jobs() -> int:
