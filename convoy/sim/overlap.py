@@ -54,7 +54,7 @@ class Exchange:
     reply_s: float = 0.0
     remote: bool = False
     bytes_s: float | None = None
-    agree: "Exchange | None" = None
+    agree: Exchange | None = None
 
 
 class _Channel:

@@ -10,9 +10,9 @@ in the time of one.
 """
 from __future__ import annotations
 
-from typing import Callable, Generator, Optional, Tuple, Union
+from typing import Callable, Generator
 
-Request = Union[Tuple[str, float], Tuple[str, Callable[[], Optional[float]]]]
+Request = tuple[str, float] | tuple[str, Callable[[], float | None]]
 Thread = Generator[Request, float, None]
 
 _DONE = 1e-12   # seconds of work left that count as none (rounding)
