@@ -40,6 +40,8 @@ P100_IMG_S = {"resnet101": 219 * 4.1 / 7.87, "vgg16": 219 * 4.1 / 7.87}
 # Compression on a GPU: this CPU's ns/element divided by this (a P100's 730 GB/s of memory
 # bandwidth against one core's ~10 GB/s, discounted for kernel launches). An assumption.
 GPU_CODEC_SPEEDUP = 10
+# NCCL runs a process group's collectives one after another on its stream (gloo: two at once).
+GPU_LANES = 1
 
 
 def gpu_costs(cpu: CpuCosts) -> CpuCosts:
@@ -77,7 +79,7 @@ def project(profile: ModelProfile, costs: CpuCosts) -> list[dict]:
     single = profile.batch_size / AllReduce(costs=costs).step_time(profile, Cluster(1, 1e9)).step_s
     for gbit in RATES_GBIT:
         for nodes in NODES:
-            cluster = Cluster(nodes, gbit * 1e9, latency_s=LATENCY_S)
+            cluster = Cluster(nodes, gbit * 1e9, latency_s=LATENCY_S, lanes=GPU_LANES)
             for strategy in strategies(nodes, costs, any(l.head for l in profile.layers)):
                 b = strategy.step_time(profile, cluster)
                 samples = strategy.workers(cluster) * profile.batch_size / b.step_s

@@ -186,6 +186,16 @@ def test_lanes_hide_latency_but_not_bytes():
         simulate([1, 1], [1, 1], [0, 0], loaded, lanes=0)
 
 
+def test_an_all_reduce_engine_gains_from_a_second_lane_only_on_latency(lenet):
+    # lenet's small layers are all wake-ups at 4 ms a message: a second lane overlaps them.
+    # With neither latency nor wake-ups every exchange is all bytes, which queue on the link.
+    def step(**cluster) -> float:
+        return AllReduce().step_time(lenet, Cluster(4, 1e9, **cluster)).step_s
+
+    assert step(wake_s=4e-3, lanes=2) < step(wake_s=4e-3, lanes=1)
+    assert step(lanes=2) == pytest.approx(step(lanes=1), rel=1e-9)
+
+
 def test_the_auxiliary_thread_waits_for_an_agreement():
     # Global blocktopk: layer 1's score all-reduce (2 s) blocks the aux thread, so
     # layer 0's exchange (3 s) starts at 5, not when its gradient is ready at 4.
@@ -296,16 +306,17 @@ def test_bad_profile_and_cluster_files(tmp_path):
 
 def test_cluster_files_in_both_formats(tmp_path):
     (tmp_path / "c.toml").write_text('nodes = 4\nrate = "100mbit"\nracks = 2\ninter_rack_rate = "10mbit"\n'
-                                     'latency_ms = 0.5\nwake_ms = 3\ncores = 0.5\n')
+                                     'latency_ms = 0.5\nwake_ms = 3\ncores = 0.5\nlanes = 1\n')
     c = load_cluster(tmp_path / "c.toml")
-    assert (c.nodes, c.rate_bps, c.racks, c.inter_rack_bps, c.latency_s, c.cores) == (4, 1e8, 2, 1e7, 5e-4, 0.5)
+    assert (c.nodes, c.rate_bps, c.racks, c.inter_rack_bps, c.latency_s, c.cores, c.lanes) \
+        == (4, 1e8, 2, 1e7, 5e-4, 0.5, 1)
     assert c.ring_link().wake_s == c.host_link().wake_s == 3e-3
     nodes = [{"rank": r, "host": f"h{r}", "cpu_mhz": 2000 if r < 3 else 1000, "memory_gb": 8, "gpu_mhz": 0,
               "gpu_memory_gb": 0, "disk_mbps": 500, "uplink_mbps": 1000 if r else 100} for r in range(4)]
     (tmp_path / "n.json").write_text(json.dumps({"nodes": nodes, "clusters": [[0, 1], [2, 3]], "servers": [0, 2],
                                                  "latency_ms": 0.5, "wake_ms": 3}))
     n = load_cluster(tmp_path / "n.json")
-    assert (n.nodes, n.rate_bps, n.racks, n.latency_s, n.wake_s) == (4, 1e8, 2, 5e-4, 3e-3)
+    assert (n.nodes, n.rate_bps, n.racks, n.latency_s, n.wake_s, n.lanes) == (4, 1e8, 2, 5e-4, 3e-3, 2)
     assert n.speeds == (1.0, 1.0, 1.0, 0.5) and n.slowdown == 2.0
 
 
@@ -334,6 +345,7 @@ def test_simulate_cli_table_and_json(tmp_path, capsys):
     (["--cluster", "/nonexistent/cluster.toml"], "does not exist"),
     (["--profile", "/nonexistent/p.json"], "does not exist"),
     (["--nodes", "0"], "at least one node"),
+    (["--lanes", "0"], "lanes must be >= 1"),
 ])
 def test_simulate_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
     assert main(["simulate", *argv]) == 2

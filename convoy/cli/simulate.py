@@ -50,6 +50,8 @@ def add_parser(subparsers: Any) -> None:
                      "longer transfers: about 1-3 ms where busy ranks share cores (default: 0)")
     net.add_argument("--cores", type=float, help="CPU cores per rank when ranks share cores (0.5 for 4 "
                      "emulated hosts on 2 cores); default: a core per thread")
+    net.add_argument("--lanes", type=int, default=2, help="collectives a process group runs at once: 2 for "
+                     "gloo (its worker threads), 1 for NCCL (one stream) (default: 2)")
     s = p.add_argument_group("strategies and their knobs")
     s.add_argument("--strategy", nargs="+", default=list(STRATEGY_NAMES), metavar="NAME",
                    help="strategies to predict (default: all): " + ", ".join(STRATEGY_NAMES))
@@ -73,7 +75,7 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
         return load_cluster(args.cluster)
     inter = parse_rate(args.inter_rack_rate) if args.inter_rack_rate else None
     return Cluster(args.nodes, parse_rate(args.rate), args.racks, inter, args.latency_ms / 1e3,
-                   wake_s=args.wake_ms / 1e3, cores=args.cores)
+                   wake_s=args.wake_ms / 1e3, cores=args.cores, lanes=args.lanes)
 
 
 def knobs_from_args(args: argparse.Namespace) -> Knobs:

@@ -8,13 +8,14 @@ Read from a TOML or JSON file, either in the simulator's own keys::
     inter_rack_rate = "100mbit"
     latency_ms = 0.05
     wake_ms = 1                # optional: a receiver's per-message wake-up (busy shared hosts)
+    lanes = 2                  # optional: collectives a process group runs at once (gloo 2, NCCL 1)
     speeds = [1, 1, 1, 1, 0.5, 0.5, 1, 1]   # optional, relative to the profiling machine
     cores = 0.5                # optional: CPU cores per rank, when ranks share a machine's cores
 
 or as written by ``convoy profile-nodes --json`` (``{"nodes": [{"rank", "host",
 "cpu_mhz", "gpu_mhz", "uplink_mbps", ...}], "clusters": [[ranks]], ...}``):
 uplinks give the link rates, clock rates the relative speeds, clusters the racks;
-``latency_ms`` and ``wake_ms`` added at its top level are read as above.
+``latency_ms``, ``wake_ms`` and ``lanes`` added at its top level are read as above.
 """
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ class Cluster:
             compute slows by 1/cores; below two, the auxiliary thread's and the
             network stack's CPU work is taken out of the step (``stolen_s``).
         efficiency: share of the link rate that is payload.
+        lanes: collectives one process group runs at once: gloo's worker threads (2),
+            NCCL's one stream per group (1). Their bytes share the link; their latencies overlap.
 
     Example::
 
@@ -72,6 +75,7 @@ class Cluster:
     cores: float | None = None
     efficiency: float = TCP_EFFICIENCY
     name: str = ""
+    lanes: int = 2
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -89,6 +93,8 @@ class Cluster:
             raise UsageError(f"speeds needs {self.nodes} values > 0, got {list(self.speeds)}")
         if (self.cores is not None and not self.cores > 0) or not 0 < self.efficiency <= 1:
             raise UsageError("cores must be > 0 and efficiency in (0, 1]")
+        if self.lanes < 1:
+            raise UsageError(f"lanes must be >= 1 (gloo 2, NCCL 1), got {self.lanes}")
 
     def host_link(self) -> Link:
         return Link.from_bits(self.rate_bps, self.latency_s, self.efficiency, self.wake_s)
@@ -171,7 +177,7 @@ def _rate(value: object) -> float:
 
 
 def _from_keys(data: dict, name: str) -> Cluster:
-    known = {"nodes", "rate", "racks", "inter_rack_rate", "latency_ms", "wake_ms", "speeds", "cores", "name"}
+    known = {"nodes", "rate", "racks", "inter_rack_rate", "latency_ms", "wake_ms", "speeds", "cores", "name", "lanes"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise UsageError(f"unknown cluster keys {unknown}; known: {', '.join(sorted(known))}")
@@ -181,7 +187,8 @@ def _from_keys(data: dict, name: str) -> Cluster:
                    latency_s=float(data.get("latency_ms", 0.0)) / 1e3,
                    wake_s=float(data.get("wake_ms", 0.0)) / 1e3,
                    speeds=tuple(float(s) for s in data.get("speeds", ())),
-                   cores=float(data["cores"]) if "cores" in data else None, name=str(data.get("name", name)))
+                   cores=float(data["cores"]) if "cores" in data else None, name=str(data.get("name", name)),
+                   lanes=int(data.get("lanes", 2)))
 
 
 def _from_node_profiles(data: dict, name: str) -> Cluster:
@@ -202,4 +209,4 @@ def _from_node_profiles(data: dict, name: str) -> Cluster:
     return Cluster(nodes=len(nodes), rate_bps=min(uplinks), racks=racks,
                    inter_rack_bps=float(inter) * 1e6 if inter else (min(uplinks) if racks > 1 else None),
                    latency_s=float(data.get("latency_ms", 0.0)) / 1e3, wake_s=float(data.get("wake_ms", 0.0)) / 1e3,
-                   speeds=speeds, name=name)
+                   speeds=speeds, name=name, lanes=int(data.get("lanes", 2)))

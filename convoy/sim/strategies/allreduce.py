@@ -11,9 +11,6 @@ from convoy.sim.strategies.base import Breakdown, Strategy
 from convoy.sim.strategies.ddp import ddp_buckets
 from convoy.sync.allreduce import ring_allreduce_bytes
 
-# ProcessGroupGloo runs this many collectives at once (its worker threads, 2 by default).
-GLOO_LANES = 2
-
 
 def layer_exchange(collective: str, nbytes: int, n: int, link: Link) -> tuple[float, float]:
     """``(wire seconds, bytes one worker sends)`` of one layer's exchange among ``n`` ranks."""
@@ -27,7 +24,7 @@ def layer_exchange(collective: str, nbytes: int, n: int, link: Link) -> tuple[fl
 class AllReduce(Strategy):
     """Layer-wise ring all-reduce (or all-gather of sparse payloads), overlapped as the engine does.
 
-    Two collectives run at once (gloo's worker threads); global blocktopk's score
+    ``cluster.lanes`` collectives run at once (gloo's worker threads); global blocktopk's score
     all-reduce holds the auxiliary thread until it ends; compression shares the
     rank's cores with backward where it has fewer than two.
 
@@ -69,5 +66,5 @@ class AllReduce(Strategy):
             exchanges.append(Exchange(tuple(bucket), wire, codec, bytes_s=moved / link.bytes_per_s, agree=agree))
             sent += moved + agree_moved
         t = simulate([l.forward_s for l in p.layers], [l.backward_s for l in p.layers],
-                     [l.update_s for l in p.layers], exchanges, lanes=GLOO_LANES, shared_rate=cluster.shared_rate)
+                     [l.update_s for l in p.layers], exchanges, lanes=cluster.lanes, shared_rate=cluster.shared_rate)
         return Breakdown.from_timeline(self.label, t, cluster, sent, self.costs.engine_ns_per_byte)
