@@ -21,6 +21,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import save, spawn  # noqa: E402
 from convoy.engine import Engine  # noqa: E402
+from convoy.engine.engine import DEFAULT_BUCKET_BYTES  # noqa: E402
 from convoy.models import build_model  # noqa: E402
 from convoy.sync import AllReduce  # noqa: E402
 
@@ -80,8 +81,8 @@ def main() -> None:
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16, help="samples per worker")
-    parser.add_argument("--bucket-kb", nargs="+", type=int, default=[0],
-                        help="engine bucket sizes to measure (0: one layer per exchange)")
+    parser.add_argument("--bucket-kb", nargs="+", type=int, default=[DEFAULT_BUCKET_BYTES // 1024],
+                        help="engine bucket sizes to measure (default: the engine's; 0: one layer per exchange)")
     args = parser.parse_args()
     rows = []
     for name in args.models:

@@ -21,12 +21,17 @@ import torch
 from torch import nn
 
 from convoy.engine.layers import Bucket, ForwardOrderRecorder, Layer, make_buckets
+from convoy.engine.optim import LayerOptimizer, bucket_optimizer
 from convoy.engine.listeners import Listener
 from convoy.engine.stats import StepStats
 from convoy.sync.base import SyncStrategy
 
 # How often blocked threads look up from a wait to notice a failed peer thread.
 _POLL_S = 0.5
+# Default bucket size: small layers travel and update together (one collective and
+# one fused optimizer call), while the large ones still go on their own, so the
+# exchange keeps overlapping backward and the next forward.
+DEFAULT_BUCKET_BYTES = 1 << 20
 
 
 class EngineError(RuntimeError):
@@ -38,14 +43,17 @@ class Engine:
 
     Args:
         model: the module to train. Every rank must build it identically.
-        optimizer_class: any ``torch.optim.Optimizer`` subclass; one instance per
-            layer is created with ``optimizer_kwargs``, so updates happen layer by layer.
+        optimizer_class: any ``torch.optim.Optimizer`` subclass whose update is
+            element-wise per tensor (every built-in one); one instance per bucket
+            is created with ``optimizer_kwargs`` (``foreach=True`` where the class
+            takes it, so a bucket updates in one multi-tensor kernel).
         sync: how gradients are exchanged; see :mod:`convoy.sync`.
         listeners: told when each layer's update and each step is final.
         lr_lambda: ``step -> factor``; each step's learning rate is the base ``lr``
             times this factor (the rule of ``torch.optim.lr_scheduler.LambdaLR``).
-        bucket_bytes: exchange consecutive layers together until a payload holds
-            at least this many bytes; 0 exchanges every layer on its own.
+        bucket_bytes: exchange and update consecutive layers together until a
+            payload holds at least this many bytes; 0 exchanges and updates every
+            layer on its own. Either way the next forward waits per layer.
         **optimizer_kwargs: hyper-parameters for ``optimizer_class``.
 
     Call ``backward(loss)`` instead of ``loss.backward(); optimizer.step()``;
@@ -61,7 +69,8 @@ class Engine:
 
     def __init__(self, model: nn.Module, optimizer_class: type[torch.optim.Optimizer],
                  sync: SyncStrategy, listeners: Sequence[Listener] = (),
-                 lr_lambda: Callable[[int], float] | None = None, bucket_bytes: int = 0,
+                 lr_lambda: Callable[[int], float] | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  **optimizer_kwargs: Any):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -78,7 +87,8 @@ class Engine:
         self._lr_lambda = lr_lambda
         self.layers: list[Layer] = []
         self.buckets: list[Bucket] = []
-        self.optimizers: list[torch.optim.Optimizer] = []
+        self.optimizers: list[LayerOptimizer] = []             # per layer, in forward order
+        self._bucket_optimizers: list[torch.optim.Optimizer] = []
         self._recorder: ForwardOrderRecorder | None = ForwardOrderRecorder(model)
         self._pending_state: dict[str, dict] | None = None   # optimizer state to load once layers exist
 
@@ -108,9 +118,12 @@ class Engine:
         self.buckets = make_buckets(self.layers, self._bucket_bytes)
         for bucket in self.buckets:
             bucket.attach_grads()
-        self.optimizers = [self._optimizer_class(layer.params, **self._optimizer_kwargs)
-                           for layer in self.layers]
-        self._base_lrs = [[g["lr"] for g in opt.param_groups] for opt in self.optimizers]
+        self._bucket_optimizers = [bucket_optimizer(self._optimizer_class, bucket.params, self._optimizer_kwargs)
+                                   for bucket in self.buckets]
+        by_layer = {layer.index: LayerOptimizer(opt, layer.params)
+                    for bucket, opt in zip(self.buckets, self._bucket_optimizers) for layer in bucket.layers}
+        self.optimizers = [by_layer[layer.index] for layer in self.layers]
+        self._base_lrs = [[g["lr"] for g in opt.param_groups] for opt in self._bucket_optimizers]
         if self._pending_state is not None:
             self.load_optimizer_state(self._pending_state)
         self._ready_count = [0] * len(self.layers)
@@ -201,7 +214,7 @@ class Engine:
         self._pending_state = None
         for layer, opt in zip(self.layers, self.optimizers):
             if layer.name in states:
-                opt.load_state_dict({"state": states[layer.name], "param_groups": opt.state_dict()["param_groups"]})
+                opt.load_state_dict({"state": states[layer.name]})
 
     def _wait_for(self, predicate: Callable[[], bool]) -> None:
         start = time.perf_counter()
@@ -231,11 +244,11 @@ class Engine:
         self._apply_lr(step)
         sent0, received0 = self.sync.traffic()
         in_flight: deque = deque()
-        for bucket in self.buckets:
+        for bucket, optimizer in zip(self.buckets, self._bucket_optimizers):
             for layer in bucket.layers:
                 self._wait_ready(layer, step)
-            in_flight.append((bucket, self.sync.start(bucket, bucket.flat_grad())))
-            while in_flight and in_flight[0][1].is_done():
+            in_flight.append((bucket, optimizer, self.sync.start(bucket, bucket.flat_grad())))
+            while in_flight and in_flight[0][2].is_done():
                 self._finish_bucket(*in_flight.popleft(), step)
         while in_flight:
             self._finish_bucket(*in_flight.popleft(), step)
@@ -258,10 +271,9 @@ class Engine:
                 self._cond.wait(_POLL_S)
             self._ready_count[layer.index] = 0
 
-    def _finish_bucket(self, bucket: Bucket, pending: Any, step: int) -> None:
+    def _finish_bucket(self, bucket: Bucket, optimizer: torch.optim.Optimizer, pending: Any, step: int) -> None:
         bucket.set_grads(pending.wait())
-        for layer in bucket.layers:
-            self.optimizers[layer.index].step()
+        optimizer.step()
         bucket.reset_grads()
         for layer in bucket.layers:
             # Listeners run before the next forward may use the layer, so a
@@ -276,7 +288,7 @@ class Engine:
         if self._lr_lambda is None:
             return
         factor = self._lr_lambda(step)
-        for opt, base in zip(self.optimizers, self._base_lrs):
+        for opt, base in zip(self._bucket_optimizers, self._base_lrs):
             for group, lr in zip(opt.param_groups, base):
                 group["lr"] = lr * factor
 
@@ -285,5 +297,5 @@ class Engine:
         return (p for layer in self.layers for p in layer.params)
 
     def optimizer_state(self) -> list[dict]:
-        """Each layer optimizer's ``state_dict``, in forward order."""
+        """Each layer's optimizer ``state_dict`` (indices local to the layer), in forward order."""
         return [opt.state_dict() for opt in self.optimizers]
