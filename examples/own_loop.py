@@ -3,6 +3,8 @@
 Run on two local processes:   torchrun --standalone --nproc-per-node 2 examples/own_loop.py
 or in one process:            python examples/own_loop.py
 """
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -16,10 +18,14 @@ data = build_dataset("digits")
 torch.manual_seed(0)                             # the same initial model on every rank
 model = build_model("lenet", in_channels=data.in_channels, num_classes=data.num_classes)
 group = dist.new_group() if ctx.world_size > 1 else None
-engine = convoy.Engine(model, torch.optim.SGD, convoy.AllReduce(group), lr=0.05, momentum=0.9)
+sampler = GlobalBatchSampler(len(data.train), batch_size=32, world_size=ctx.world_size, rank=ctx.rank, seed=0)
+epochs = 10
+steps = epochs * len(sampler)
+cosine = lambda step: 0.5 * (1 + math.cos(math.pi * step / steps))  # noqa: E731  lr factor, 1 -> 0
+engine = convoy.Engine(model, torch.optim.SGD, convoy.AllReduce(group), lr_lambda=cosine,
+                       lr=0.05, momentum=0.9, weight_decay=5e-4)
 
-sampler = GlobalBatchSampler(len(data.train), batch_size=32, world_size=ctx.world_size, rank=ctx.rank)
-for epoch in range(5):
+for epoch in range(epochs):
     sampler.set_epoch(epoch)
     for x, y in iterate_batches(data.train, sampler):
         loss = F.cross_entropy(model(x), y)      # forward waits only for each layer's own update

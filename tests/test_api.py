@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -16,6 +17,7 @@ from convoy.compress import FP16Compressor, ResidualMemory, build_compressor
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "own_loop.py"
 
 
+@pytest.mark.timeout(240)
 def test_the_api_example_trains_under_torchrun():
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                              "--nproc-per-node", "2", str(EXAMPLE)],
@@ -26,7 +28,9 @@ def test_the_api_example_trains_under_torchrun():
     assert sorted(accuracies) == ["0", "1"]
     # Both ranks hold the same model, so they score the same.
     assert accuracies["0"] == accuracies["1"]
-    assert float(accuracies["0"]) > 0.9
+    # Seeded and scheduled (10 epochs, cosine): 0.975 here; the bound leaves room
+    # for another CPU's float rounding, while an untrained or broken run scores ~0.1.
+    assert float(accuracies["0"]) >= 0.95
 
 
 def test_init_without_torchrun_is_a_world_of_one(monkeypatch):
