@@ -24,6 +24,7 @@ from convoy.checkpoint.format import FormatError
 from convoy.checkpoint.recovery import scan, state_dict_of, valid_steps
 from convoy.checkpoint.store import Store
 from convoy.errors import UsageError
+from convoy.utils.atomic import save_atomically
 
 
 def _model_files(directory: Path) -> list[Path]:
@@ -79,7 +80,7 @@ def export_checkpoint(directory: str | Path, out: str | Path) -> dict[str, Any]:
                     {**part.hyper, "params": list(range(_count_params(part.params, name)))}]})
     result = {"model": model, "optimizers": optimizers, "layers": order,
               "step": parts[0].step, "epoch": parts[0].epoch}
-    torch.save(result, out)
+    save_atomically(result, out)
     return result
 
 
