@@ -48,6 +48,8 @@ def recoverable_step(directory: str | Path) -> int | None:
         >>> recoverable_step("ckpt")   # doctest: +SKIP
         12
     """
+    if not any(Path(directory).glob("model-rank*.ckpt")):
+        return None
     common: set[int] | None = None
     for path in sorted(Path(directory).glob("*-rank*.ckpt")):
         try:
