@@ -42,7 +42,7 @@ def save_atomically(obj: Any, path: str | os.PathLike) -> None:
         if isinstance(exc, (OSError, RuntimeError)):
             raise UsageError(f"cannot write {path}: {_reason(exc, path.parent)}") from None
         raise
-    _sync_folder(path.parent)
+    sync_folder(path.parent)
 
 
 def _reason(exc: BaseException, folder: Path) -> str:
@@ -52,8 +52,13 @@ def _reason(exc: BaseException, folder: Path) -> str:
     return f"not enough space on its disk ({free / 1e6:.1f} MB free)" if free < 64 << 20 else str(exc).splitlines()[0]
 
 
-def _sync_folder(folder: Path) -> None:
-    """The rename is durable only once the folder's entry is on disk."""
+def sync_folder(folder: Path) -> None:
+    """Make a rename or a new file in ``folder`` durable: its entry is on disk only after this.
+
+    Example::
+
+        >>> sync_folder(Path("runs/x"))   # doctest: +SKIP
+    """
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
