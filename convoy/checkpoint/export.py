@@ -160,8 +160,9 @@ def load_initial_state(model: nn.Module, path: str | Path) -> None:
     """
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise UsageError(f"--init-from {path}: cannot read it as a torch file ({exc})") from None
+    except Exception as exc:   # a file that is not torch's raises whatever the unpickler trips on
+        reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+        raise UsageError(f"--init-from {path}: cannot read it as a torch file ({reason})") from None
     state = loaded.get("model", loaded) if isinstance(loaded, dict) else None
     if not isinstance(state, dict):
         raise UsageError(f"--init-from {path}: expected a state_dict or {{'model': state_dict}}")
