@@ -298,8 +298,9 @@ def max_threads() -> int:
 
 
 def _within(name: str, value: int, low: int, high: int) -> None:
-    if not low <= value <= high:
-        raise UsageError(f"{_flag(name)} must be in {low}..{high}, got {value}")
+    _at_least(name, value, low)
+    if value > high:
+        raise UsageError(f"{_flag(name)} must be <= {high}, got {value}")
 
 
 def _flag(name: str) -> str:
