@@ -135,7 +135,7 @@ def test_a_gzip_bomb_is_refused_without_reading_it_whole(tmp_path):
 def test_simulate_refuses_a_hundred_million_nodes_at_once():
     from convoy.sim.cluster import MAX_NODES, Cluster
 
-    with pytest.raises(UsageError, match=f"1..{MAX_NODES} nodes"):
+    with pytest.raises(UsageError, match=f"at most {MAX_NODES} nodes"):
         Cluster(100_000_000, 1e9)
 
 

@@ -83,8 +83,10 @@ class Cluster:
     lanes: int = 2
 
     def __post_init__(self) -> None:
-        if not 1 <= self.nodes <= MAX_NODES:
-            raise UsageError(f"a cluster has 1..{MAX_NODES} nodes, got {self.nodes}")
+        if self.nodes < 1:
+            raise UsageError(f"a cluster needs at least one node, got {self.nodes}")
+        if self.nodes > MAX_NODES:
+            raise UsageError(f"a cluster has at most {MAX_NODES} nodes, got {self.nodes}")
         if not all(math.isfinite(v) for v in (self.rate_bps, self.latency_s, self.wake_s)):
             raise UsageError("link rate, latency and wake-up must be finite numbers")
         if not self.rate_bps > 0:
