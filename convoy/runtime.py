@@ -11,6 +11,9 @@ import torch.distributed as dist
 from convoy.errors import UsageError
 
 _ENV_NEEDED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Set by convoy's own launcher: rank 0's rendezvous store listens on MASTER_ADDR
+# only (127.0.0.1 locally), where torch's default would listen on every interface.
+BIND_STORE_ENV = "CONVOY_BIND_STORE"
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,26 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> Context:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if os.environ.get(BIND_STORE_ENV):
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, store=_bound_store(rank, world, timeout), rank=rank,
+                                    world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     return Context(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def _bound_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The rendezvous store at MASTER_ADDR:MASTER_PORT; on rank 0 it listens on that address alone."""
+    import socket
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank != 0:
+        return dist.TCPStore(host, port, world, False, timeout)
+    listener = socket.create_server((host, port), reuse_port=False, backlog=max(128, world))
+    # detach: the store owns the descriptor now; Python must not close it under the store's thread
+    return dist.TCPStore(host, port, world, True, timeout, master_listen_fd=listener.detach())
 
 
 def shutdown() -> None:

@@ -24,6 +24,7 @@ from convoy.checkpoint.format import FormatError
 from convoy.checkpoint.recovery import scan, state_dict_of, valid_steps
 from convoy.checkpoint.store import Store
 from convoy.errors import UsageError
+from convoy.utils.atomic import save_atomically
 
 
 def _model_files(directory: Path) -> list[Path]:
@@ -79,7 +80,7 @@ def export_checkpoint(directory: str | Path, out: str | Path) -> dict[str, Any]:
                     {**part.hyper, "params": list(range(_count_params(part.params, name)))}]})
     result = {"model": model, "optimizers": optimizers, "layers": order,
               "step": parts[0].step, "epoch": parts[0].epoch}
-    torch.save(result, out)
+    save_atomically(result, out)
     return result
 
 
@@ -159,8 +160,9 @@ def load_initial_state(model: nn.Module, path: str | Path) -> None:
     """
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise UsageError(f"--init-from {path}: cannot read it as a torch file ({exc})") from None
+    except Exception as exc:   # a file that is not torch's raises whatever the unpickler trips on
+        reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+        raise UsageError(f"--init-from {path}: cannot read it as a torch file ({reason})") from None
     state = loaded.get("model", loaded) if isinstance(loaded, dict) else None
     if not isinstance(state, dict):
         raise UsageError(f"--init-from {path}: expected a state_dict or {{'model': state_dict}}")

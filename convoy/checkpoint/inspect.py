@@ -14,7 +14,7 @@ from pathlib import Path
 
 from convoy.checkpoint.format import FormatError
 from convoy.checkpoint.fsinfo import fs_info
-from convoy.checkpoint.recovery import scan
+from convoy.checkpoint.recovery import scan, valid_steps
 from convoy.checkpoint.store import AREAS, Store
 from convoy.errors import UsageError
 
@@ -35,6 +35,33 @@ def describe_directory(directory: str | Path) -> str:
     for path in files:
         lines += _describe_file(path)
     return "\n".join(lines)
+
+
+def recoverable_step(directory: str | Path) -> int | None:
+    """The newest step valid in every checkpoint file of ``directory``; None when there is none.
+
+    A resume needs the model files and every rank's own file at one step, so
+    a step missing from any file is not recoverable.
+
+    Example::
+
+        >>> recoverable_step("ckpt")   # doctest: +SKIP
+        12
+    """
+    if not any(Path(directory).glob("model-rank*.ckpt")):
+        return None
+    common: set[int] | None = None
+    for path in sorted(Path(directory).glob("*-rank*.ckpt")):
+        try:
+            store = Store.open(path)
+        except (OSError, FormatError):
+            return None
+        try:
+            steps = set(valid_steps(scan(store)))
+        finally:
+            store.close()
+        common = steps if common is None else common & steps
+    return max(common) if common else None
 
 
 def _describe_file(path: Path) -> list[str]:

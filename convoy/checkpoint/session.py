@@ -27,7 +27,7 @@ from convoy.checkpoint.format import FormatError, Layout
 from convoy.checkpoint.listener import CheckpointListener, model_file, rank_file
 from convoy.checkpoint.recovery import (AreaReport, ensure_verified, fallback_notes, restore_model, restore_rank,
                                        scan, valid_steps)
-from convoy.checkpoint.snapshot import model_layout
+from convoy.checkpoint.snapshot import model_layout, rank_layout, rank_state, residual_dict
 from convoy.checkpoint.store import AREAS, Store
 from convoy.errors import UsageError
 
@@ -140,21 +140,27 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
         model_reports = _open_reports(mpath, layout.signature(), layout)
         rank_reports = _open_reports(rpath, None, None)
     steps = sorted(set(valid_steps(model_reports or [])) & set(valid_steps(rank_reports or [])))
-    # A file whose areas are all empty (killed before its first commit) is no checkpoint.
-    found = any(not r.empty for r in model_reports or [])
+    # Files whose areas are all empty (killed before the first commit) are no checkpoint;
+    # any committed area, of the model file or of a rank's own file, is the user's data.
+    found = any(not r.empty for r in (model_reports or []) + (rank_reports or []))
     everyone = _gather((found, steps), world)
     start = ResumePoint()
     if any(found for found, _ in everyone):
         common = set.intersection(*(set(s) for _, s in everyone))
         if not common:
-            described = "; ".join(r.describe() for r in (model_reports or []) + (rank_reports or []))
-            raise UsageError(f"no usable checkpoint in {directory}: {described or 'files missing'}; nothing "
+            described = "; ".join([f"{p.name}: {r.describe()}" for p, reports in ((mpath, model_reports),
+                                   (rpath, rank_reports)) for r in reports or []]
+                                  + [f"{p.name} is missing" for p in (mpath, rpath) if not p.exists()])
+            raise UsageError(f"no usable checkpoint in {directory}: {described or 'another rank lacks it'}; nothing "
                              "was overwritten (move the directory away, or pass --no-resume to start over)")
         start = _restore(max(common), model_reports, rank_reports, mpath, rpath, model, engine)
     elif settings.resume:
         raise UsageError(f"--resume: {directory} holds no checkpoint")
+    need = AREAS * _rank_file_bytes(model, engine.sync) * (len(peers) if rank == writer else 1)
+    if rank == writer:
+        need += AREAS * layout.area_size()
     model_store, rank_store, model_gen, rank_gen = _open_for_writing(
-        start, layout, mpath, rpath, model_reports, rank_reports, rank == writer, directory)
+        start, layout, mpath, rpath, model_reports, rank_reports, rank == writer, directory, need)
     if rank == 0:
         for note in start.notes:
             print(f"convoy: checkpoint: {note}", file=sys.stderr, flush=True)
@@ -200,11 +206,11 @@ def _verified(store: Store, report: AreaReport) -> None:
 
 def _open_for_writing(start: ResumePoint, layout: Layout, mpath: Path, rpath: Path,
                       model_reports: list[AreaReport] | None, rank_reports: list[AreaReport] | None,
-                      is_writer: bool, directory: Path) -> tuple[Store | None, Store | None, int, int]:
+                      is_writer: bool, directory: Path, need: int) -> tuple[Store | None, Store | None, int, int]:
     """The stores to write the next generations into, newer areas than the resumed step erased."""
     if not start.step:
         rpath.unlink(missing_ok=True)   # a stale rank file must never look committed
-        _check_space(directory, layout if is_writer else None)
+        _check_space(directory, need)
         try:
             return (Store.create(mpath, layout) if is_writer else None), None, 0, 0
         except OSError as exc:
@@ -223,9 +229,17 @@ def _reopen(path: Path, reports: list[AreaReport], step: int) -> Store:
     return store
 
 
-def _check_space(directory: Path, layout: Layout | None) -> None:
-    """Fail before training when the disk cannot hold the files (the model file is also fallocated)."""
-    need = AREAS * layout.area_size() if layout is not None else 0
+def _rank_file_bytes(model: nn.Module, sync: Any) -> int:
+    """One area of a rank's own file: buffers and RNG now, plus residuals as large as the parameters."""
+    now = rank_layout(rank_state(model, sync), {}).area_size()
+    if residual_dict(sync) is None:
+        return now
+    return now + sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _check_space(directory: Path, need: int) -> None:
+    """Fail before training when the disk cannot hold every file this rank writes, or (the
+    model file's writer) that the ranks on this machine write; the model file is also fallocated."""
     free = shutil.disk_usage(directory).free
     if free < need:
         raise UsageError(f"--checkpoint-dir {directory}: {free / 1e6:.1f} MB free, the checkpoint needs "

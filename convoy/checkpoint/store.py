@@ -28,6 +28,7 @@ from convoy.checkpoint import faults
 from convoy.checkpoint.fsinfo import fs_info
 from convoy.checkpoint.format import (PAGE, RECORD_BYTES, CommitRecord, FormatError, Layout, Slot,
                                       align, dtype_of, pack_superblock, unpack_superblock)
+from convoy.utils.atomic import sync_folder
 
 AREAS = 2
 AREA_NAMES = "AB"
@@ -77,7 +78,7 @@ class Store:
             raise
         os.close(fd)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        sync_folder(path.parent)
         return cls.open(path, writable=True)
 
     @classmethod
@@ -212,14 +213,6 @@ class Store:
                     torch.empty(0, dtype=dtype)
             out[t.key] = flat.view(t.shape)
         return out
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def area_name(area: int) -> str:

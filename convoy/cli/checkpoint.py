@@ -30,9 +30,17 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from convoy.checkpoint.inspect import describe_directory
+    import sys
+
+    from convoy.checkpoint.inspect import describe_directory, recoverable_step
 
     print(describe_directory(args.directory))
+    step = recoverable_step(args.directory)
+    if step is None:   # non-zero, so a script never mistakes damaged files for a checkpoint
+        print(f"convoy: error: nothing recoverable in {args.directory}: no step is valid in every file",
+              file=sys.stderr, flush=True)
+        return 1
+    print(f"recoverable: step {step}")
     return 0
 
 

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Callable
 from convoy.cli.errors import ERROR_FILE_ENV, read_failure
+from convoy.runtime import BIND_STORE_ENV
+from convoy.utils.lifetime import Stopped, die_with_parent, stop_on_signals
 from convoy.utils.spawn import free_port
 
 _POLL_S = 0.05
@@ -39,20 +41,26 @@ def run_ranks(argv_of: Callable[[int], list[str]], nproc: int, master_addr: str,
         master_addr: the address where rank 0 listens for the rendezvous.
         interface: the network interface gloo uses (GLOO_SOCKET_IFNAME), unless set already.
     """
-    with tempfile.TemporaryDirectory(prefix="convoy-ranks-") as tmp:
+    launcher = os.getpid()
+    with tempfile.TemporaryDirectory(prefix="convoy-ranks-") as tmp, stop_on_signals():
         port = free_port()
-        procs = []
-        for rank in range(nproc):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
-                   "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
-                   ERROR_FILE_ENV: str(Path(tmp, f"rank{rank}.json"))}
-            env.setdefault("GLOO_SOCKET_IFNAME", interface)
-            procs.append(subprocess.Popen(argv_of(rank), env=env))
+        procs: list[subprocess.Popen] = []
         try:
+            for rank in range(nproc):
+                env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
+                       ERROR_FILE_ENV: str(Path(tmp, f"rank{rank}.json")), BIND_STORE_ENV: "1"}
+                env.setdefault("GLOO_SOCKET_IFNAME", interface)
+                # Their own process group: a terminal's Ctrl-C reaches the launcher alone,
+                # which then stops every rank; the death signal covers a SIGKILLed launcher.
+                procs.append(subprocess.Popen(argv_of(rank), env=env, process_group=0,
+                                              preexec_fn=lambda: die_with_parent(launcher)))
             return _supervise(procs, Path(tmp))
-        except KeyboardInterrupt:
+        except Stopped as stop:
             _stop(procs)
-            return 130
+            print(f"convoy: stopped: the launcher (pid {launcher}) received {stop}; every rank was stopped",
+                  file=sys.stderr, flush=True)
+            return 128 + stop.signum
 
 
 def _supervise(procs: list[subprocess.Popen], error_dir: Path) -> int:
@@ -75,13 +83,17 @@ def _first_failure(failed: list[int], error_dir: Path) -> int:
     """
     reported = [(Path(error_dir, f"rank{r}.json").stat().st_mtime, r) for r in failed
                 if Path(error_dir, f"rank{r}.json").exists()]
-    return min(reported)[1] if reported else failed[0]
+    silent = [r for r in failed if r not in {rank for _, rank in reported}]
+    # A rank that ended without a report was killed from outside; its peers only
+    # report the connection it closed, so the job stopped because of it.
+    return silent[0] if silent else min(reported)[1]
 
 
 def _explain(rank: int, code: int, error_dir: Path) -> int:
     failure = read_failure(str(error_dir / f"rank{rank}.json"))
     if failure is None:
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        how = (f"was stopped by {signal.Signals(-code).name} from outside the job" if code < 0
+               else f"exited with status {code}")
         print(f"convoy: error: rank {rank} {how}", file=sys.stderr, flush=True)
         return 1
     if failure["code"] != 2 and failure.get("traceback"):
@@ -92,13 +104,21 @@ def _explain(rank: int, code: int, error_dir: Path) -> int:
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every rank's process group, then SIGKILL what is left after _GRACE_S."""
     for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+        _signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + _GRACE_S
     for p in procs:
         try:
             p.wait(timeout=max(deadline - time.monotonic(), 0.0))
         except subprocess.TimeoutExpired:
-            p.kill()
+            _signal_group(p, signal.SIGKILL)
             p.wait()
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass

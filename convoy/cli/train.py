@@ -77,7 +77,10 @@ def run_worker(config: TrainConfig) -> NoReturn:
     from convoy.runtime import shutdown
     from convoy.train.loop import run as train
 
+    from convoy.utils.lifetime import die_with_parent
+
     rank = int(os.environ.get("RANK", 0))
+    die_with_parent(os.getppid())   # under torchrun, the agent; locally, convoy's launcher
 
     def body() -> None:
         summary = train(config)

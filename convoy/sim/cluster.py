@@ -20,6 +20,7 @@ uplinks give the link rates, clock rates the relative speeds, clusters the racks
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,6 +28,10 @@ from pathlib import Path
 from convoy.emulation.topology import parse_rate
 from convoy.errors import UsageError
 from convoy.sim.network import TCP_EFFICIENCY, Link
+
+# The simulator is linear in the nodes, but a cluster past this is a typo, and
+# per-node lists (speeds, profiles) of that length would not fit in memory.
+MAX_NODES = 1_000_000
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -80,6 +85,10 @@ class Cluster:
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise UsageError(f"a cluster needs at least one node, got {self.nodes}")
+        if self.nodes > MAX_NODES:
+            raise UsageError(f"a cluster has at most {MAX_NODES} nodes, got {self.nodes}")
+        if not all(math.isfinite(v) for v in (self.rate_bps, self.latency_s, self.wake_s)):
+            raise UsageError("link rate, latency and wake-up must be finite numbers")
         if not self.rate_bps > 0:
             raise UsageError(f"link rate must be > 0, got {self.rate_bps} bit/s")
         if self.racks < 1 or self.nodes % self.racks:

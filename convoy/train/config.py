@@ -6,6 +6,7 @@ table, so a flag and a config key never disagree.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +116,9 @@ class TrainConfig:
             dims = ()
         if len(dims) != 3 or min(dims) < 1:
             raise UsageError(f"--synthetic-shape must be three positive integers C,H,W, got {self.synthetic_shape!r}")
+        if math.prod(dims) > MAX_SAMPLE_ELEMENTS:
+            raise UsageError(f"--synthetic-shape {self.synthetic_shape} has more than {MAX_SAMPLE_ELEMENTS} "
+                             "elements per image")
         return dims  # type: ignore[return-value]
 
     def validate(self) -> "TrainConfig":
@@ -125,9 +129,7 @@ class TrainConfig:
         from convoy.parallel import PARALLEL_NAMES
         from convoy.sync import SYNC_NAMES
 
-        _at_least("nproc", self.nproc, 1)
-        _at_least("batch_size", self.batch_size, 1)
-        _at_least("threads", self.threads, 1)
+        self._validate_bounds()
         _at_least("eval_every", self.eval_every, 0)
         if self.stop_at_accuracy is not None:
             if not 0.0 < self.stop_at_accuracy <= 1.0:
@@ -141,7 +143,6 @@ class TrainConfig:
         if self.epochs is not None:
             _at_least("epochs", self.epochs, 1)
         _positive("lr", self.lr)
-        _positive("timeout", self.timeout)
         if not 0.0 <= self.momentum < 1.0:
             raise UsageError(f"--momentum must be in [0, 1), got {self.momentum}")
         if self.weight_decay < 0:
@@ -164,6 +165,28 @@ class TrainConfig:
         self._validate_ps()
         self._validate_checkpointing()
         return self
+
+    def _validate_bounds(self) -> None:
+        """Ceilings and finiteness: a value past them would hang, crash or exhaust the machine."""
+        _within("nproc", self.nproc, 1, max_local_processes())
+        _within("batch_size", self.batch_size, 1, MAX_BATCH_SIZE)
+        _within("threads", self.threads, 1, max_threads())
+        _within("seed", self.seed, 0, MAX_SEED)
+        for name in ("steps", "epochs", "eval_every", "checkpoint_every", "trace_steps", "warmup_steps",
+                     "exchange_every", "reelect_every", "sub_batches", "blocks_per_layer", "servers",
+                     "channels", "conv_workers", "fc_workers"):
+            value = getattr(self, name)
+            if value is not None and value > MAX_COUNT:
+                raise UsageError(f"{_flag(name)} must be <= {MAX_COUNT}, got {value}")
+        for f in config_fields():
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UsageError(f"{_flag(f.name)} must be a finite number, got {value}")
+            if isinstance(value, str) and f.name in _PATH_FIELDS and not value.strip():
+                raise UsageError(f"{_flag(f.name)} must not be empty; give a path")
+        if self.timeout > MAX_TIMEOUT_S:
+            raise UsageError(f"--timeout must be <= {MAX_TIMEOUT_S:g} seconds, got {self.timeout:g}")
+        _positive("timeout", self.timeout)
 
     def _validate_checkpointing(self) -> None:
         _at_least("checkpoint_every", self.checkpoint_every, 1)
@@ -245,6 +268,43 @@ class TrainConfig:
         from convoy.parallel import HybridRoles
 
         HybridRoles(self.conv_workers, self.fc_workers)
+
+
+# Ceilings of the integer settings. A local run's processes share one machine:
+# more than MAX_NPROC of them, or more torch threads than THREADS_PER_CORE per
+# core, only thrash (and very large values exhaust the process limit).
+MAX_NPROC = 256
+THREADS_PER_CORE = 4
+MAX_BATCH_SIZE = 1 << 20
+MAX_SAMPLE_ELEMENTS = 1 << 24    # 64 MB of float32 per image
+MAX_SEED = 2**63 - 1          # torch.manual_seed takes a signed 64-bit integer
+MAX_COUNT = 10**9             # steps, epochs and the other counts
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+_PATH_FIELDS = ("data_dir", "out", "checkpoint_dir", "init_from", "node_profile", "model", "dataset",
+                "optimizer")
+
+
+def max_local_processes() -> int:
+    """The most worker processes ``--nproc`` may start: MAX_NPROC, or fewer under the process limit."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    except (ImportError, ValueError, OSError):
+        return MAX_NPROC
+    # Each worker runs gloo and torch threads, and the user's own processes count too.
+    return MAX_NPROC if soft == resource.RLIM_INFINITY else max(1, min(MAX_NPROC, soft // 16))
+
+
+def max_threads() -> int:
+    """The most torch threads per worker: THREADS_PER_CORE per core of this machine."""
+    return (os.cpu_count() or 1) * THREADS_PER_CORE
+
+
+def _within(name: str, value: int, low: int, high: int) -> None:
+    _at_least(name, value, low)
+    if value > high:
+        raise UsageError(f"{_flag(name)} must be <= {high}, got {value}")
 
 
 def _flag(name: str) -> str:

@@ -20,6 +20,7 @@ from convoy.compress import build_compressor
 from convoy.data import DatasetSplits, GlobalBatchSampler, build_dataset, iterate_batches
 from convoy.engine import Engine
 from convoy.models import build_model
+from convoy.utils.atomic import save_atomically
 from convoy.parallel import DataParallel, HybridParallel, HybridRoles, ParallelLayout
 from convoy.sync import AllReduce, SyncStrategy, ring_allreduce_bytes
 from convoy.train.config import TrainConfig, save_config
@@ -84,8 +85,8 @@ def run(config: TrainConfig) -> RunSummary:
 
         merge_traces(run_dir)
     if ctx.rank == 0:
-        torch.save({"model": state, "optimizers": layout.engine.optimizer_state()},
-                   run_dir / "model.pt")
+        save_atomically({"model": state, "optimizers": layout.engine.optimizer_state()},
+                        run_dir / "model.pt")
         (run_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
     return summary
 

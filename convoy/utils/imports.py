@@ -5,6 +5,8 @@ import importlib
 import inspect
 from typing import Any, Callable
 
+from convoy.errors import UsageError
+
 
 def is_import_path(name: str) -> bool:
     """True when ``name`` looks like ``package.module:attribute``."""
@@ -44,6 +46,13 @@ def call_with_supported(factory: Callable[..., Any], **kwargs: Any) -> Any:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         return factory()
+    # A factory that needs more than convoy offers (os:system needs a command) is
+    # refused by name rather than called into a TypeError.
+    required = [n for n, p in params.items() if p.default is p.empty and n not in kwargs
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if required:
+        raise UsageError(f"{getattr(factory, '__qualname__', factory)!s} needs the argument {required[0]!r}; "
+                         f"convoy passes only: {', '.join(kwargs)}")
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return factory(**kwargs)
     return factory(**{k: v for k, v in kwargs.items() if k in params})

@@ -21,3 +21,5 @@ def read_toml(path: str, label: str) -> dict[str, Any]:
         raise UsageError(f"{label} {path} does not exist") from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise UsageError(f"{label} {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError:   # a binary file
+        raise UsageError(f"{label} {path} is not valid TOML: not UTF-8 text") from None

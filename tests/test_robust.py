@@ -1,0 +1,207 @@
+"""Careless input and careless operators: bounds on every setting, fuzzed flags and files,
+workers that never outlive their launcher, files that are whole or absent."""
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from convoy.cli.main import build_parser
+from convoy.cli.train import config_from_args
+from convoy.errors import UsageError
+from convoy.train.config import config_fields
+from convoy.utils.atomic import save_atomically
+
+
+def validate(argv: list[str]) -> tuple[int, str]:
+    """``convoy train ARGV`` up to the point where workers would start: (exit status, stderr).
+
+    Any exception other than a UsageError escapes, which is the bug the fuzzing looks for.
+    """
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            config_from_args(build_parser().parse_args(["train", *argv]))
+            return 0, err.getvalue()
+        except UsageError as exc:
+            print(f"convoy: error: {exc}", file=sys.stderr)
+            return 2, err.getvalue()
+
+
+def _refused_in_one_line(code: int, stderr: str) -> None:
+    assert code == 2
+    assert len(stderr.strip().splitlines()) == 1, stderr
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--nproc", "100000"), ("--threads", "100000"), ("--lr", "inf"), ("--weight-decay", "nan"),
+    ("--out", ""), ("--checkpoint-dir", ""), ("--seed", "1e24"), ("--seed", str(2**64)), ("--timeout", "inf"),
+    ("--batch-size", "1000000000"), ("--momentum", "nan"), ("--steps", str(10**12)),
+    ("--synthetic-shape", "1000,1000,1000"), ("--data-dir", " "),
+])
+def test_out_of_bounds_settings_are_refused_in_one_line(flag, value, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _refused_in_one_line(*validate([flag, value]))
+    assert list(tmp_path.iterdir()) == []
+
+
+_FLAGS = [("--" + f.name.replace("_", "-")) for f in config_fields()]
+_VALUES = st.one_of(
+    st.sampled_from(["", "0", "-1", "1", "2", "inf", "-inf", "nan", "1e24", "0.5", "1e-300", str(2**63),
+                     "lenet", "x:y", "os:system", "a,b,c", "1,1,1", "/", ".", "--", "auto", "ps", "hybrid"]),
+    st.text(max_size=12), st.integers().map(str), st.floats().map(str))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(_FLAGS), _VALUES), max_size=4))
+def test_fuzzed_flags_exit_0_or_2_in_one_line_writing_nothing_outside(tmp_path, flags):
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    argv = [a for flag, value in flags for a in (flag, value)
+            if not (flag in ("--out", "--checkpoint-dir", "--data-dir", "--init-from") and value.strip())]
+    before = set(tmp_path.iterdir())
+    cwd = os.getcwd()
+    os.chdir(run)
+    try:
+        code, stderr = validate(argv)
+    finally:
+        os.chdir(cwd)
+    assert code in (0, 2)
+    if code == 2:
+        _refused_in_one_line(code, stderr)
+    assert set(tmp_path.iterdir()) == before
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.one_of(st.binary(max_size=200),
+                 st.dictionaries(st.sampled_from([f.name for f in config_fields()] + ["bogus"]),
+                                 st.one_of(st.integers(), st.floats(), st.text(max_size=8), st.booleans()),
+                                 max_size=4).map(lambda d: "\n".join(f"{k} = {_toml(v)}" for k, v in d.items())
+                                                 .encode())))
+def test_fuzzed_config_files_exit_0_or_2_in_one_line(tmp_path, content):
+    path = tmp_path / "c.toml"
+    path.write_bytes(content)
+    code, stderr = validate(["--config", str(path), "--out", str(tmp_path / "run")])
+    assert code in (0, 2)
+    if code == 2:
+        _refused_in_one_line(code, stderr)
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return {"inf": "inf", "-inf": "-inf", "nan": "nan"}.get(str(value), repr(value))
+    if isinstance(value, str):
+        return '"' + value.encode("unicode_escape").decode().replace('"', '\\"') + '"'
+    return str(value)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(max_size=64), st.booleans())
+def test_fuzzed_mnist_files_load_or_are_refused(tmp_path, content, zipped):
+    from convoy.data.mnist import load
+
+    names = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+    for name in names:
+        path = tmp_path / (name + (".gz" if zipped else ""))
+        path.write_bytes(gzip.compress(content) if zipped else content)
+    with contextlib.suppress(UsageError):
+        load(str(tmp_path))
+
+
+def test_a_gzip_bomb_is_refused_without_reading_it_whole(tmp_path):
+    from convoy.data.files import read_bytes
+
+    path = tmp_path / "bomb.gz"
+    path.write_bytes(gzip.compress(bytes(4 << 20)))
+    with pytest.raises(UsageError, match="decompresses to more than 1 MB"):
+        read_bytes(path, limit=1 << 20)
+    assert read_bytes(path, limit=4 << 20) == bytes(4 << 20)
+
+
+def test_simulate_refuses_a_hundred_million_nodes_at_once():
+    from convoy.sim.cluster import MAX_NODES, Cluster
+
+    with pytest.raises(UsageError, match=f"at most {MAX_NODES} nodes"):
+        Cluster(100_000_000, 1e9)
+
+
+def test_atomic_save_leaves_the_old_file_or_nothing(tmp_path):
+    path = tmp_path / "model.pt"
+    save_atomically({"w": torch.arange(3)}, path)
+    with pytest.raises(Exception):
+        save_atomically({"w": lambda: 0}, path)   # not picklable: fails mid-write
+    assert torch.equal(torch.load(path)["w"], torch.arange(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+    with pytest.raises(UsageError, match="is a directory"):
+        save_atomically({}, tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_workers_die_with_a_sigkilled_parent(tmp_path):
+    """The parent-death signal: a child of a SIGKILLed parent ends, whatever it was doing."""
+    code = ("import os, subprocess, sys, time\n"
+            "from convoy.utils.lifetime import die_with_parent\n"
+            "me = os.getpid()\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
+            "                         preexec_fn=lambda: die_with_parent(me))\n"
+            "print(child.pid, flush=True)\n"
+            "time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    assert _gone_within(child, 15)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_the_launcher_stops_every_rank_in_one_line(tmp_path):
+    launcher = subprocess.Popen([sys.executable, "-m", "convoy", "train", "--nproc", "2", "--steps", "100000",
+                                 "--no-progress", "--out", str(tmp_path / "run")],
+                                stderr=subprocess.PIPE, text=True)
+    workers = _children_once_training(launcher.pid, tmp_path / "run")
+    launcher.send_signal(signal.SIGTERM)
+    stderr = launcher.communicate(timeout=30)[1]
+    assert launcher.returncode == 128 + signal.SIGTERM
+    assert stderr.strip().splitlines() == [f"convoy: stopped: the launcher (pid {launcher.pid}) received "
+                                           "SIGTERM; every rank was stopped"]
+    assert all(_gone_within(pid, 15) for pid in workers)
+
+
+def _children_once_training(pid: int, run: Path) -> list[int]:
+    """The launcher's worker pids, once both have written a metrics line (they are past the rendezvous)."""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        files = list(run.glob("metrics-rank*.jsonl"))
+        if len(files) == 2 and all(f.stat().st_size for f in files):
+            break
+        time.sleep(0.2)
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    assert len(children) == 2
+    return [int(c) for c in children]
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":   # exited, not yet reaped
+            return True
+        time.sleep(0.1)
+    return False
