@@ -174,7 +174,7 @@ def test_loggers_leave_their_files(tmp_path: Path):
 
 
 def test_settings_refused_where_they_cannot_be_correct():
-    with pytest.raises(UsageError, match="--clip-grad-norm need --parallel data"):
+    with pytest.raises(UsageError, match="--clip-grad-norm needs --parallel data"):
         TrainConfig(nproc=3, sync="ps", clip_grad_norm=1.0).validate()
     with pytest.raises(UsageError, match="unknown --amp"):
         TrainConfig(amp="fp8").validate()

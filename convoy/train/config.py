@@ -192,8 +192,10 @@ class TrainConfig:
         given = [_flag(f) for f, off in (("amp", "off"), ("grad_accum", 1), ("clip_grad_norm", None))
                  if getattr(self, f) != off]
         if given and (self.sync == "ps" or self.parallel == "hybrid"):
-            # ps updates on the servers, hybrid in two engines: neither sees one step's whole gradient.
-            raise UsageError(f"{', '.join(given)} need --parallel data with --sync allreduce or hierarchical")
+            verb = "needs" if len(given) == 1 else "need"
+            raise UsageError(f"{', '.join(given)} {verb} --parallel data with --sync allreduce or hierarchical "
+                             "(under ps the servers, under hybrid two engines, update layers as their gradients "
+                             "arrive; no rank sees a step's whole gradient)")
 
     def _validate_checkpointing(self) -> None:
         _at_least("checkpoint_every", self.checkpoint_every, 1)
