@@ -178,7 +178,7 @@ def test_settings_refused_where_they_cannot_be_correct():
         TrainConfig(nproc=3, sync="ps", clip_grad_norm=1.0).validate()
     with pytest.raises(UsageError, match="unknown --amp"):
         TrainConfig(amp="fp8").validate()
-    assert TrainConfig(model="vgg_fc").validate().lr == 0.01
+    assert TrainConfig(model="vgg_fc").validate().lr == 0.0125
     assert TrainConfig(model="vgg_fc", lr=0.2).validate().lr == 0.2
 
 

@@ -21,7 +21,7 @@ AMP_NAMES = ("off", "bf16", "fp16")
 LOGGER_NAMES = ("tensorboard", "csv")
 # Learning rates at which the built-in models train with the other defaults
 # (vgg_fc's large fully connected layers diverge at 0.05 with momentum 0.9).
-DEFAULT_LR = {"lenet": 0.05, "vgg_fc": 0.01, "resnet18": 0.05}
+DEFAULT_LR = {"lenet": 0.05, "vgg_fc": 0.0125, "resnet18": 0.05}
 OTHER_MODELS_LR = 0.05
 
 
