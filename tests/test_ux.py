@@ -22,7 +22,7 @@ from convoy.errors import TrainingDiverged, UsageError
 from convoy.models import build_model
 from convoy.parallel import DataParallel
 from convoy.sync import AllReduce
-from convoy.train.config import TrainConfig
+from convoy.train.config import TrainConfig, build_config
 from convoy.train.divergence import DivergenceGuard
 from convoy.train.metrics import MetricsWriter
 from tests.distributed import run_workers
@@ -180,6 +180,7 @@ def test_settings_refused_where_they_cannot_be_correct():
         TrainConfig(amp="fp8").validate()
     assert TrainConfig(model="vgg_fc").validate().lr == 0.0125
     assert TrainConfig(model="vgg_fc", lr=0.2).validate().lr == 0.2
+    assert build_config({"logger": ["csv", "tensorboard"]}, {}).logger == ("csv", "tensorboard")   # a TOML list
 
 
 @pytest.mark.timeout(120)

@@ -304,7 +304,7 @@ class Engine:
         if self.gate is not None:
             exchanged.append(bucket)
             return
-        check_finite(bucket.flat_grad(), step, bucket.name)   # before a NaN reaches the parameters
+        check_finite(bucket.flat_grad(), step, f"layer {bucket.name}")   # before a NaN reaches the parameters
         self._update_bucket(bucket, step, apply=True)
 
     def _update_bucket(self, bucket: Bucket, step: int, apply: bool) -> None:

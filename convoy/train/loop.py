@@ -74,7 +74,8 @@ def run(config: TrainConfig) -> RunSummary:
         save_config(config, run_dir)
     metrics = MetricsWriter(run_dir, ctx.rank, config.logger)
     guard = DivergenceGuard(dist.new_group() if ctx.world_size > 1 else None,
-                            divergence_hint(config.lr, config.amp, config.clip_grad_norm))
+                            divergence_hint(config.lr, config.amp, config.clip_grad_norm,
+                                            can_clip=config.sync != "ps" and config.parallel == "data"))
     try:
         summary = _train(config, ctx, layout, splits, sampler, total_steps, metrics, run_dir,
                          guard, session.start if session else ResumePoint())
