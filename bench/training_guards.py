@@ -13,7 +13,9 @@ momentum on random 1x32x32 batches. Modes, run round-robin ``--rounds`` times:
 - bf16: plus ``--amp bf16`` (autocast on CPU).
 
 Reported per mode: the median step time and its ratio to plain, measured in the
-same run. Writes bench/results/training_guards.{json,md}.
+same run. Every mode includes the engine's own check of the averaged gradient
+(one sum per bucket); its time alone, over the model's whole gradient, is the
+extra row ``gradient_check``. Writes bench/results/training_guards.{json,md}.
 """
 from __future__ import annotations
 
@@ -24,13 +26,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch.utils.benchmark import Timer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import save, spawn  # noqa: E402
 from bench.engine_vs_ddp import _batch, _model, _timed  # noqa: E402
 from convoy.engine import Engine  # noqa: E402
-from convoy.engine.gradients import GradientGate  # noqa: E402
+from convoy.engine.gradients import GradientGate, check_finite  # noqa: E402
 from convoy.parallel import DataParallel  # noqa: E402
 from convoy.sync import AllReduce  # noqa: E402
 from convoy.train.divergence import DivergenceGuard  # noqa: E402
@@ -86,7 +88,17 @@ def main() -> None:
         plain = medians[f"{name}/plain"]
         rows += [{"model": name, "mode": mode, "step_ms": 1e3 * medians[f"{name}/{mode}"],
                   "vs_plain": medians[f"{name}/{mode}"] / plain} for mode in MODES]
+        rows.append({"model": name, "mode": "gradient_check", "step_ms": 1e3 * _check_s(name),
+                     "vs_plain": _check_s(name) / plain})
     save("training_guards", vars(args), rows, ["model", "mode", "step_ms", "vs_plain"])
+
+
+def _check_s(name: str) -> float:
+    """Seconds the engine's finiteness check takes over the whole gradient of ``name``, on one thread."""
+    torch.set_num_threads(1)
+    grad = torch.randn(sum(p.numel() for p in _model(name, 1).parameters()))
+    return Timer("check_finite(grad, 0, 'all')", globals={"grad": grad, "check_finite": check_finite}
+                 ).blocked_autorange(min_run_time=0.5).median
 
 
 if __name__ == "__main__":
