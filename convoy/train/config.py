@@ -38,7 +38,8 @@ class TrainConfig:
     dataset: str = _opt("digits", "digits (embedded), mnist, cifar10, synthetic, or package.module:factory")
     data_dir: str | None = _opt(None, "folder holding the mnist IDX files or the cifar10 python batches")
     synthetic_shape: str = _opt("3,32,32", "C,H,W of the synthetic dataset's images")
-    batch_size: int = _opt(32, "samples per worker per step; the global batch is nproc x this")
+    batch_size: int = _opt(32, "samples per worker per step (per micro-batch with --grad-accum); the global batch "
+                                  "is nproc x grad-accum x this")
     optimizer: str = _opt("sgd", "optimizer, applied layer by layer: " + ", ".join(OPTIMIZER_NAMES)
                           + ", or package.module:Class")
     lr: float | None = _opt(None, "learning rate (default per model: "
