@@ -7,9 +7,10 @@ import sys
 import traceback
 from typing import Callable, NoReturn
 
-from convoy.errors import UsageError
+from convoy.errors import TrainingDiverged, UsageError
 
 ERROR_FILE_ENV = "CONVOY_ERROR_FILE"
+DIVERGED_EXIT = 3   # the run stopped on a non-finite loss or gradient
 
 
 def exit_code(exc: BaseException) -> int:
@@ -17,14 +18,17 @@ def exit_code(exc: BaseException) -> int:
         return 2
     if isinstance(exc, KeyboardInterrupt):
         return 130
+    if isinstance(exc, TrainingDiverged):
+        return DIVERGED_EXIT
     return 1
 
 
 def report_failure(exc: BaseException, rank: int) -> int:
     """Describe ``exc`` once, where the launcher (or a torchrun user) will look; return the exit code."""
     code = exit_code(exc)
-    summary = str(exc) if code == 2 else f"{type(exc).__name__}: {exc}"
-    details = "" if code == 2 else "".join(traceback.format_exception(exc))
+    expected = code in (2, DIVERGED_EXIT)   # the user's input or the run's numbers, not a bug: no traceback
+    summary = str(exc) if expected else f"{type(exc).__name__}: {exc}"
+    details = "" if expected else "".join(traceback.format_exception(exc))
     path = os.environ.get(ERROR_FILE_ENV)
     if path:  # the launcher prints the first failure, once for the whole job
         with open(path, "w") as f:

@@ -45,6 +45,10 @@ def _add_option(parser: argparse.ArgumentParser, field: dataclasses.Field) -> No
         parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
                             default=argparse.SUPPRESS, help=field.metadata["help"] + default)
         return
+    if kind.startswith("tuple"):   # a repeatable flag
+        parser.add_argument(flag, dest=field.name, action="append", default=argparse.SUPPRESS,
+                            metavar=field.name.upper(), help=field.metadata["help"])
+        return
     convert = {"int": int, "float": float}.get(kind.split(" ")[0], str)
     parser.add_argument(flag, dest=field.name, type=convert, default=argparse.SUPPRESS,
                         metavar=field.name.upper(), help=field.metadata["help"] + default)

@@ -20,10 +20,12 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from convoy.engine.gradients import GradientGate, check_finite
 from convoy.engine.layers import Bucket, ForwardOrderRecorder, Layer, make_buckets
 from convoy.engine.optim import LayerOptimizer, bucket_optimizer
 from convoy.engine.listeners import Listener
 from convoy.engine.stats import StepStats
+from convoy.errors import TrainingDiverged
 from convoy.sync.base import SyncStrategy
 
 # How often blocked threads look up from a wait to notice a failed peer thread.
@@ -54,6 +56,11 @@ class Engine:
         bucket_bytes: exchange and update consecutive layers together until a
             payload holds at least this many bytes; 0 exchanges and updates every
             layer on its own. Either way the next forward waits per layer.
+        gate: whole-step gradient processing (global-norm clipping, fp16
+            unscaling). With one, a step's updates wait until every exchange of
+            the step ended (the global norm needs every layer), so layers no
+            longer update while later ones are still on the wire. Without one,
+            each bucket's averaged gradient is only checked to be finite.
         **optimizer_kwargs: hyper-parameters for ``optimizer_class``.
 
     Call ``backward(loss)`` instead of ``loss.backward(); optimizer.step()``;
@@ -71,7 +78,7 @@ class Engine:
                  sync: SyncStrategy, listeners: Sequence[Listener] = (),
                  lr_lambda: Callable[[int], float] | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 **optimizer_kwargs: Any):
+                 gate: GradientGate | None = None, **optimizer_kwargs: Any):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -85,6 +92,8 @@ class Engine:
         self._optimizer_class = optimizer_class
         self._optimizer_kwargs = optimizer_kwargs
         self._lr_lambda = lr_lambda
+        self.gate = gate if gate is not None and gate.needs_whole_step else None
+        self._accumulating = False            # backward of a micro-batch: gradients stay local
         self.layers: list[Layer] = []
         self.buckets: list[Bucket] = []
         self.optimizers: list[LayerOptimizer] = []             # per layer, in forward order
@@ -138,6 +147,8 @@ class Engine:
 
     def _flag_hook(self, layer: Layer) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
+            if self._accumulating:   # not the step's last micro-batch: nothing to exchange yet
+                return
             with self._cond:
                 self._ready_count[layer.index] += 1
                 if self._ready_count[layer.index] == len(layer.params):
@@ -173,6 +184,29 @@ class Engine:
         self._last_backward_end = now
         self._wait_s = 0.0
         self.step += 1
+
+    def accumulate(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss`` of a micro-batch without exchanging or updating.
+
+        Gradients add up in the layers' buffers; the next :meth:`backward` (the
+        step's last micro-batch) hands the sum to the exchange, so N micro-batches
+        of a step equal one N-times larger batch when each loss is divided by N.
+        ``self.step`` does not advance, so the next forward waits for nothing.
+
+        Example::
+
+            >>> for x, y in micro_batches[:-1]:
+            ...     engine.accumulate(F.cross_entropy(model(x), y) / len(micro_batches))
+            >>> engine.backward(F.cross_entropy(model(x_last), y_last) / len(micro_batches))
+        """
+        if self._recorder is not None:
+            self._build_layers()
+        self._raise_if_failed()
+        self._accumulating = True
+        try:
+            torch.autograd.backward(loss)
+        finally:
+            self._accumulating = False
 
     def synchronize(self) -> None:
         """Block until every step handed to ``backward`` is applied on every layer."""
@@ -227,6 +261,8 @@ class Engine:
             self._wait_s += time.perf_counter() - start
 
     def _raise_if_failed(self) -> None:
+        if isinstance(self._error, TrainingDiverged):   # the run's numbers, not a failed exchange
+            raise TrainingDiverged(self._error.step, self._error.what)
         if self._error is not None:
             raise EngineError(f"gradient synchronisation failed: {self._error}") from self._error
 
@@ -244,14 +280,19 @@ class Engine:
         self._apply_lr(step)
         sent0, received0 = self.sync.traffic()
         in_flight: deque = deque()
-        for bucket, optimizer in zip(self.buckets, self._bucket_optimizers):
+        exchanged: list[Bucket] = []   # with a gate: buckets whose update waits for the whole step
+        for bucket in self.buckets:
             for layer in bucket.layers:
                 self._wait_ready(layer, step)
-            in_flight.append((bucket, optimizer, self.sync.start(bucket, bucket.flat_grad())))
-            while in_flight and in_flight[0][2].is_done():
-                self._finish_bucket(*in_flight.popleft(), step)
+            in_flight.append((bucket, self.sync.start(bucket, bucket.flat_grad())))
+            while in_flight and in_flight[0][1].is_done():
+                self._finish_exchange(*in_flight.popleft(), step, exchanged)
         while in_flight:
-            self._finish_bucket(*in_flight.popleft(), step)
+            self._finish_exchange(*in_flight.popleft(), step, exchanged)
+        if self.gate is not None:
+            apply = self.gate.process([bucket.flat_grad() for bucket in exchanged], step)
+            for bucket in exchanged:
+                self._update_bucket(bucket, step, apply)
         sent1, received1 = self.sync.traffic()
         with self._cond:
             stats = self._stats.setdefault(step, StepStats(step))
@@ -271,9 +312,17 @@ class Engine:
                 self._cond.wait(_POLL_S)
             self._ready_count[layer.index] = 0
 
-    def _finish_bucket(self, bucket: Bucket, optimizer: torch.optim.Optimizer, pending: Any, step: int) -> None:
+    def _finish_exchange(self, bucket: Bucket, pending: Any, step: int, exchanged: list[Bucket]) -> None:
         bucket.set_grads(pending.wait())
-        optimizer.step()
+        if self.gate is not None:
+            exchanged.append(bucket)
+            return
+        check_finite(bucket.flat_grad(), step, f"layer {bucket.name}")   # before a NaN reaches the parameters
+        self._update_bucket(bucket, step, apply=True)
+
+    def _update_bucket(self, bucket: Bucket, step: int, apply: bool) -> None:
+        if apply:
+            next(opt for b, opt in zip(self.buckets, self._bucket_optimizers) if b is bucket).step()
         bucket.reset_grads()
         for layer in bucket.layers:
             # Listeners run before the next forward may use the layer, so a

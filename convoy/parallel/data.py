@@ -1,6 +1,7 @@
 """Data parallelism: every rank holds the whole model and a slice of every batch."""
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -8,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from convoy.engine import Engine
+from convoy.engine.gradients import LossScaler
 from convoy.parallel.base import ParallelLayout
 from convoy.train.scoring import average_buffers, score
 
@@ -23,10 +25,17 @@ class DataParallel(ParallelLayout):
         rank, world_size: this rank's place among the data-parallel replicas.
         loss_fn: ``(logits, labels) -> scalar loss``, a mean over the batch so
             that averaging over ranks gives the mean over the global batch.
+        grad_accum: split each batch into this many micro-batches, forward and
+            backward one at a time, and exchange the summed gradient once: the
+            same step as the whole batch, with a micro-batch's activation memory.
+        amp: ``"bf16"`` or ``"fp16"``: run forward and the loss under
+            ``torch.autocast`` in that type; ``None``: float32.
+        scaler: the fp16 loss scaler (the engine's gate unscales with it).
     """
 
     def __init__(self, model: nn.Module, engine: Engine, rank: int, world_size: int,
-                 loss_fn: LossFn = nn.functional.cross_entropy):
+                 loss_fn: LossFn = nn.functional.cross_entropy, grad_accum: int = 1,
+                 amp: str | None = None, scaler: LossScaler | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
         self.model = model
@@ -34,13 +43,35 @@ class DataParallel(ParallelLayout):
         self.data_rank = rank
         self.data_world_size = world_size
         self.loss_fn = loss_fn
+        self.grad_accum = grad_accum
+        self.amp_dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+        self.scaler = scaler
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
         self.model.train()
-        logits = self.model(x)
-        loss = self.loss_fn(logits, y)
-        self.engine.backward(loss)
-        return loss.item(), int((logits.argmax(1) == y).sum())
+        # Equal micro-batches (the sampler hands grad_accum x batch-size samples)
+        # make the mean of the micro-batch means the whole batch's mean loss.
+        pieces = list(zip(x.tensor_split(self.grad_accum), y.tensor_split(self.grad_accum)))
+        total_loss, correct = 0.0, 0
+        for i, (x_part, y_part) in enumerate(pieces):
+            with self._autocast(x_part.device):
+                logits = self.model(x_part)
+                loss = self.loss_fn(logits, y_part)
+            scaled = loss / len(pieces) if len(pieces) > 1 else loss
+            if self.scaler is not None:
+                scaled = self.scaler.scale_loss(scaled)
+            if i < len(pieces) - 1:
+                self.engine.accumulate(scaled)
+            else:
+                self.engine.backward(scaled)
+            total_loss += loss.item()
+            correct += int((logits.argmax(1) == y_part).sum())
+        return total_loss / len(pieces), correct
+
+    def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.amp_dtype)
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """Logits for ``x`` with the current parameters (call after ``engine.synchronize``)."""

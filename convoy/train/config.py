@@ -18,6 +18,12 @@ from convoy.utils.toml import read_toml
 
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "rmsprop", "adagrad")
 LR_SCHEDULE_NAMES = ("constant", "cosine")
+AMP_NAMES = ("off", "bf16", "fp16")
+LOGGER_NAMES = ("tensorboard", "csv")
+# Learning rates at which the built-in models train with the other defaults
+# (vgg_fc's large fully connected layers diverge at 0.05 with momentum 0.9).
+DEFAULT_LR = {"lenet": 0.03, "vgg_fc": 0.0125, "resnet18": 0.05}
+OTHER_MODELS_LR = 0.05
 
 
 DEFAULT_EPOCHS = 20  # the default job's length; see bench/results/default_job.md
@@ -37,13 +43,23 @@ class TrainConfig:
     data_dir: str | None = _opt(None, "folder holding the mnist IDX files or the cifar10 python batches")
     synthetic_shape: str = _opt("3,32,32", "C,H,W of the synthetic dataset's images")
     # The default job (lenet on digits, 2 workers): chosen by bench/default_job.py, >= 97% for seeds 0-2.
-    batch_size: int = _opt(16, "samples per worker per step; the global batch is nproc x this")
+    batch_size: int = _opt(16, "samples per worker per step (per micro-batch with --grad-accum); the global batch "
+                                  "is nproc x grad-accum x this")
     optimizer: str = _opt("sgd", "optimizer, applied layer by layer: " + ", ".join(OPTIMIZER_NAMES)
                           + ", or package.module:Class")
-    lr: float = _opt(0.03, "learning rate")
+    lr: float | None = _opt(None, "learning rate (default per model: "
+                            + ", ".join(f"{name} {lr}" for name, lr in DEFAULT_LR.items())
+                            + f", others {OTHER_MODELS_LR})", section="optim")
     momentum: float = _opt(0.9, "momentum (sgd, rmsprop)")
     weight_decay: float = _opt(5e-4, "L2 weight decay")
     lr_schedule: str = _opt("cosine", "learning-rate schedule: " + ", ".join(LR_SCHEDULE_NAMES))
+    # Mixed precision, accumulation and clipping (data parallelism: --sync allreduce or hierarchical)
+    amp: str = _opt("off", "mixed precision: off, bf16 (works on CPU), or fp16 (with dynamic loss scaling)",
+                    section="optim")
+    grad_accum: int = _opt(1, "micro-batches per step: each worker runs --batch-size samples N times and "
+                           "exchanges the summed gradient once (equal to an N-times larger batch)", section="optim")
+    clip_grad_norm: float | None = _opt(None, "scale the averaged gradient down to this global L2 norm; a step's "
+                                        "updates then wait for all its exchanges", section="optim")
     steps: int | None = _opt(None, "train this many steps (exclusive with --epochs)")
     epochs: int | None = _opt(None, f"train this many epochs (default {DEFAULT_EPOCHS} when --steps is not given)")
     eval_every: int = _opt(0, "evaluate on the test set every N steps (0: at the end only)")
@@ -51,6 +67,8 @@ class TrainConfig:
                                           "(0..1; needs --eval-every)")
     seed: int = _opt(0, "seed of the model's initialisation and the data order")
     out: str | None = _opt(None, "run folder for metrics and the final model (default runs/<time>)")
+    logger: tuple[str, ...] = _opt((), "also log metrics to: tensorboard (events file), csv (metrics.csv); "
+                                   "repeatable, a list in TOML; rank 0 only", section="run")
     sync: str = _opt("allreduce", "gradient synchronisation strategy")
     clusters: str = _opt("auto", "hierarchical: number of node clusters K, or auto (the K with the best "
                          "silhouette score)")
@@ -142,7 +160,7 @@ class TrainConfig:
             _at_least("steps", self.steps, 1)
         if self.epochs is not None:
             _at_least("epochs", self.epochs, 1)
-        _positive("lr", self.lr)
+        self._validate_precision()
         if not 0.0 <= self.momentum < 1.0:
             raise UsageError(f"--momentum must be in [0, 1), got {self.momentum}")
         if self.weight_decay < 0:
@@ -187,6 +205,25 @@ class TrainConfig:
         if self.timeout > MAX_TIMEOUT_S:
             raise UsageError(f"--timeout must be <= {MAX_TIMEOUT_S:g} seconds, got {self.timeout:g}")
         _positive("timeout", self.timeout)
+
+    def _validate_precision(self) -> None:
+        if self.lr is None:
+            self.lr = DEFAULT_LR.get(self.model, OTHER_MODELS_LR)
+        _positive("lr", self.lr)
+        _one_of("amp", self.amp, AMP_NAMES)
+        _at_least("grad_accum", self.grad_accum, 1)
+        if self.clip_grad_norm is not None:
+            _positive("clip_grad_norm", self.clip_grad_norm)
+        self.logger = tuple(self.logger)
+        for name in self.logger:
+            _one_of("logger", name, LOGGER_NAMES)
+        given = [_flag(f) for f, off in (("amp", "off"), ("grad_accum", 1), ("clip_grad_norm", None))
+                 if getattr(self, f) != off]
+        if given and (self.sync == "ps" or self.parallel == "hybrid"):
+            verb = "needs" if len(given) == 1 else "need"
+            raise UsageError(f"{', '.join(given)} {verb} --parallel data with --sync allreduce or hierarchical "
+                             "(under ps the servers, under hybrid two engines, update layers as their gradients "
+                             "arrive; no rank sees a step's whole gradient)")
 
     def _validate_checkpointing(self) -> None:
         _at_least("checkpoint_every", self.checkpoint_every, 1)
@@ -357,6 +394,9 @@ def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> Tr
         if value is None:
             continue
         expected = _base_type(f)
+        if expected is tuple and isinstance(value, list):   # a TOML list
+            value = tuple(value)
+            setattr(config, f.name, value)
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             setattr(config, f.name, float(value))
         elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
@@ -366,7 +406,7 @@ def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> Tr
 
 def _base_type(f: dataclasses.Field) -> type:
     text = str(f.type)
-    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str), ("tuple", tuple)):
         if text.startswith(name):
             return kind
     raise TypeError(f"unsupported config type {text}")  # pragma: no cover

@@ -19,12 +19,15 @@ from convoy.checkpoint.session import CheckpointSession, CheckpointSettings, Res
 from convoy.compress import build_compressor
 from convoy.data import DatasetSplits, GlobalBatchSampler, build_dataset, iterate_batches
 from convoy.engine import Engine
+from convoy.engine.gradients import GradientGate, LossScaler
+from convoy.errors import TrainingDiverged
 from convoy.models import build_model
 from convoy.utils.atomic import save_atomically
 from convoy.parallel import DataParallel, HybridParallel, HybridRoles, ParallelLayout
 from convoy.sync import AllReduce, SyncStrategy, ring_allreduce_bytes
 from convoy.train.config import TrainConfig, save_config
 from convoy.train.hierarchical import build_hierarchical
+from convoy.train.divergence import DivergenceGuard, divergence_hint
 from convoy.train.metrics import MetricsWriter
 from convoy.train.optim import lr_lambda, resolve_optimizer, supported_kwargs
 
@@ -58,20 +61,27 @@ def run(config: TrainConfig) -> RunSummary:
     data_world = config.conv_workers if config.parallel == "hybrid" else ctx.world_size
     if config.sync == "ps":   # servers read no data: the workers split every batch
         data_world = ctx.world_size - (config.servers or 1)
-    steps_per_epoch = len(GlobalBatchSampler(len(splits.train), config.batch_size, data_world, 0, config.seed))
+    # A step's samples per worker: --grad-accum micro-batches of --batch-size.
+    step_batch = config.batch_size * config.grad_accum
+    steps_per_epoch = len(GlobalBatchSampler(len(splits.train), step_batch, data_world, 0, config.seed))
     total_steps = config.total_steps(steps_per_epoch)
     layout = build_layout(config, model, ctx, total_steps, (splits.in_channels, *splits.image_size))
-    sampler = GlobalBatchSampler(len(splits.train), config.batch_size, layout.data_world_size, layout.data_rank,
+    sampler = GlobalBatchSampler(len(splits.train), step_batch, layout.data_world_size, layout.data_rank,
                                  config.seed)
     session = start_checkpoints(config, layout, total_steps, len(sampler))
     run_dir = resolve_run_dir(config.out, ctx.rank)
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir)
-    metrics = MetricsWriter(run_dir, ctx.rank)
+    metrics = MetricsWriter(run_dir, ctx.rank, config.logger)
+    guard = DivergenceGuard(dist.new_group() if ctx.world_size > 1 else None,
+                            divergence_hint(config.lr, config.amp, config.clip_grad_norm,
+                                            can_clip=config.sync != "ps" and config.parallel == "data"))
     try:
         summary = _train(config, ctx, layout, splits, sampler, total_steps, metrics, run_dir,
-                         session.start if session else ResumePoint())
+                         guard, session.start if session else ResumePoint())
+    except TrainingDiverged as exc:   # the engine's or the guard's message, with what to try
+        raise guard.explain(exc) from None
     finally:
         metrics.close()
     layout.engine.close()
@@ -114,6 +124,7 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
                  input_shape: tuple[int, ...]) -> ParallelLayout:
     """This rank's parallel layout, with an engine (sync strategy, compressor) for its part of the model."""
     optimizer_class, hyper = optimizer_spec(config)
+    scaler = LossScaler() if config.amp == "fp16" else None
 
     def make_engine(part: nn.Module, group: dist.ProcessGroup | None) -> Engine:
         compressor, memory = build_compressor(
@@ -125,7 +136,8 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
         else:
             sync = AllReduce(group, compressor, memory, config.warmup_steps)
         return Engine(part, optimizer_class, sync, listeners=sync.listeners(),
-                      lr_lambda=lr_lambda(config.lr_schedule, total_steps), **hyper)
+                      lr_lambda=lr_lambda(config.lr_schedule, total_steps),
+                      gate=GradientGate(config.clip_grad_norm, scaler), **hyper)
 
     if config.sync == "ps":
         from convoy.train.ps import build_ps_layout
@@ -138,12 +150,13 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
     # A group of its own keeps the engine's collectives from interleaving with
     # the training loop's (evaluation, bookkeeping) on the default group.
     group = dist.new_group() if ctx.world_size > 1 else None
-    return DataParallel(model, make_engine(model, group), ctx.rank, ctx.world_size)
+    return DataParallel(model, make_engine(model, group), ctx.rank, ctx.world_size, grad_accum=config.grad_accum,
+                        amp=None if config.amp == "off" else config.amp, scaler=scaler)
 
 
 def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, splits: DatasetSplits,
            sampler: GlobalBatchSampler, total_steps: int, metrics: MetricsWriter, run_dir: Path,
-           resume: ResumePoint) -> RunSummary:
+           guard: DivergenceGuard, resume: ResumePoint) -> RunSummary:
     engine = layout.engine
     bar = tqdm(total=total_steps, initial=resume.step, disable=not (config.progress and ctx.rank == 0),
                unit="step", dynamic_ncols=True, leave=False)
@@ -155,6 +168,7 @@ def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, sp
         sampler.set_epoch(epoch)
         for x, y in iterate_batches(splits.train, islice(sampler, skip, None)):
             loss, correct = layout.train_step(x.to(ctx.device), y.to(ctx.device))
+            guard.check(step, loss)
             if last is not None:
                 bytes_sent += _record_step(metrics, layout, *last)
             last = (step, epoch, loss, correct / len(y), time.perf_counter() - start)
@@ -174,6 +188,7 @@ def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, sp
         if _reached(config, accuracy):
             break
         epoch, skip = epoch + 1, 0
+    guard.finish()
     engine.synchronize()
     if last is not None:   # None when resuming a finished run
         bytes_sent += _record_step(metrics, layout, *last)

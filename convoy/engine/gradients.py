@@ -1,0 +1,122 @@
+"""What happens to the averaged gradient between its exchange and the update.
+
+By default every bucket is checked on its own (a non-finite averaged gradient
+stops the run before it reaches the parameters) and updated as soon as its
+exchange ends. A :class:`GradientGate` with clipping or fp16 loss scaling needs
+the whole step's gradient first (a global norm, one skip decision for all
+layers), so the engine defers that step's updates until every exchange ended.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from convoy.errors import TrainingDiverged
+
+
+def is_finite(grad: torch.Tensor) -> bool:
+    """True when every element of ``grad`` is finite; one pass (a sum) instead of an elementwise mask."""
+    return bool(torch.isfinite(grad.sum()))
+
+
+def check_finite(grad: torch.Tensor, step: int, where: str) -> None:
+    """Raise :class:`TrainingDiverged` when ``grad`` holds a NaN or an infinity."""
+    if not is_finite(grad):
+        raise TrainingDiverged(step, f"the averaged gradient of {where} became non-finite")
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 autocast, the rule of ``torch.amp.GradScaler``.
+
+    The loss is multiplied by ``scale`` before backward, so small fp16 gradients
+    do not flush to zero; the engine divides the averaged gradient by it before
+    the update. A step whose gradient overflowed is skipped and the scale halved;
+    after ``growth_interval`` good steps in a row it doubles.
+
+    Args:
+        init_scale: the first scale.
+        growth_interval: good steps between doublings.
+        min_scale: below this the gradient overflows at any scale: the run diverged.
+
+    Example::
+
+        >>> scaler = LossScaler()
+        >>> engine = Engine(model, torch.optim.SGD, sync, gate=GradientGate(scaler=scaler), lr=0.05)
+        >>> engine.backward(scaler.scale_loss(loss))
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 2000, min_scale: float = 2.0 ** -16):
+        self.scale = init_scale
+        self.growth_interval = growth_interval
+        self.min_scale = min_scale
+        self.skipped_steps = 0
+        self._good_steps = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale
+
+    def update(self, overflowed: bool, step: int) -> None:
+        """Adjust the scale after ``step``; raise :class:`TrainingDiverged` if it collapsed."""
+        if overflowed:
+            self.scale /= 2.0
+            self._good_steps = 0
+            self.skipped_steps += 1
+            if self.scale < self.min_scale:
+                raise TrainingDiverged(step, f"the fp16 gradient overflowed at every loss scale down to "
+                                             f"{self.min_scale:g}")
+            return
+        self._good_steps += 1
+        if self._good_steps >= self.growth_interval:
+            self.scale *= 2.0
+            self._good_steps = 0
+
+
+@dataclass
+class GradientGate:
+    """Whole-step processing of the averaged gradient: fp16 unscaling and global-norm clipping.
+
+    Args:
+        clip_grad_norm: the largest global L2 norm of the averaged gradient, over
+            every layer of the engine; larger gradients are scaled down to it
+            (``torch.nn.utils.clip_grad_norm_``'s rule). ``None``: no clipping.
+        scaler: the fp16 loss scaler whose scale the gradient carries, if any.
+
+    Example::
+
+        >>> engine = Engine(model, torch.optim.SGD, sync, gate=GradientGate(clip_grad_norm=1.0), lr=0.05)
+    """
+
+    clip_grad_norm: float | None = None
+    scaler: LossScaler | None = None
+    last_norm: float = float("nan")   # the global norm of the latest step, before clipping
+
+    @property
+    def needs_whole_step(self) -> bool:
+        return self.clip_grad_norm is not None or self.scaler is not None
+
+    def process(self, grads: list[torch.Tensor], step: int) -> bool:
+        """Unscale and clip ``grads`` (every bucket's flat averaged gradient) in place.
+
+        Returns whether the step's update should be applied (False: an fp16
+        overflow, the step is skipped). Raises :class:`TrainingDiverged` for a
+        non-finite gradient without fp16 scaling.
+        """
+        if self.scaler is not None:
+            for grad in grads:
+                grad.div_(self.scaler.scale)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64)
+                                                     for g in grads]))
+        self.last_norm = float(norm)
+        finite = bool(torch.isfinite(norm))
+        if self.scaler is not None:
+            self.scaler.update(not finite, step)
+        elif not finite:
+            raise TrainingDiverged(step, "the averaged gradient became non-finite")
+        if not finite:
+            return False
+        if self.clip_grad_norm is not None and self.last_norm > self.clip_grad_norm:
+            factor = self.clip_grad_norm / (self.last_norm + 1e-6)
+            for grad in grads:
+                grad.mul_(factor)
+        return True
