@@ -44,7 +44,7 @@ class RunSummary:
 
 def run(config: TrainConfig) -> RunSummary:
     """Train as ``config`` says, on the process group from the environment."""
-    ctx = runtime.init(timeout_s=config.timeout)
+    ctx = runtime.init("nccl" if config.device == "cuda" else "gloo", timeout_s=config.timeout)
     torch.set_num_threads(config.threads)
     splits = build_dataset(config.dataset, config.data_dir,
                            synthetic_shape=config.synthetic_dims(), seed=config.seed)
