@@ -103,3 +103,13 @@ def test_a_model_file_and_a_dataset_module_in_the_current_directory_train(tmp_pa
     assert (tmp_path / "run" / "model.pt").exists()
     state = torch.load(tmp_path / "run" / "model.pt")["model"]
     assert state["1.weight"].shape == (3, 16)        # the factory got the dataset's channels, size and classes
+
+
+def test_the_final_line_names_rank_0s_bytes_when_they_differ_from_the_mean():
+    from convoy.train.loop import RunSummary
+
+    # ps with one server and two workers: the server (rank 0, the progress bar's) sends half again the mean.
+    uneven = RunSummary(30, 1.0, 0.5, 1.0, bytes_sent_per_worker=13.26e6, run_dir="r", bytes_sent_rank0=19.89e6)
+    assert "13.26 MB sent per worker on average (rank 0: 19.89 MB, as on the progress bar)" in uneven.line()
+    even = RunSummary(30, 1.0, 0.5, 1.0, bytes_sent_per_worker=6.63e6, run_dir="r", bytes_sent_rank0=6.63e6)
+    assert "6.63 MB sent per worker on average;" in even.line()
