@@ -113,3 +113,19 @@ def test_the_final_line_names_rank_0s_bytes_when_they_differ_from_the_mean():
     assert "13.26 MB sent per worker on average (rank 0: 19.89 MB, as on the progress bar)" in uneven.line()
     even = RunSummary(30, 1.0, 0.5, 1.0, bytes_sent_per_worker=6.63e6, run_dir="r", bytes_sent_rank0=6.63e6)
     assert "6.63 MB sent per worker on average;" in even.line()
+
+
+@pytest.mark.parametrize("uplinks, noise, warned", [
+    ((1000.0, 1100.0, 1000.0, 1100.0), 0.5, True),    # a 9% gap where a node's tries differed by 50%
+    ((100.0, 100.0, 1000.0, 1000.0), 0.2, False),     # a 10x gap is a real difference
+    ((1000.0, 1100.0, 1000.0, 1100.0), 0.0, False),   # values from a file are exact: any gap is real
+])
+def test_profile_nodes_warns_when_clusters_differ_by_less_than_the_noise(uplinks, noise, warned):
+    from convoy.cluster import DEFAULT_WEIGHTS, NodeProfile, make_plan
+
+    profiles = [NodeProfile(r, "h", 3000.0, 16.0, 0.0, 0.0, 500.0, uplink, noise={"uplink_mbps": noise})
+                for r, uplink in enumerate(uplinks)]
+    plan = make_plan(profiles, DEFAULT_WEIGHTS, clusters=2)
+    assert len(plan.clusters) == 2
+    assert (plan.noise_warning() is not None) == warned
+    assert plan.as_json()["noise_warning"] == plan.noise_warning()
