@@ -23,6 +23,8 @@ from convoy.compress import Compressor, Memory, build_compressor
 from convoy.errors import UsageError
 from convoy.sync import AllReduce
 
+# What comm_hook returns: DDP's (state, hook) pair.
+HookPair = tuple[Any, Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]]
 # The options each hook takes besides process_group (and warmup_steps for convoy's own).
 _CONVOY_OPTIONS: dict[str, tuple[str, ...]] = {
     "blocktopk": ("block_fraction", "blocks_per_layer", "block_metric", "block_selection"),
@@ -109,7 +111,7 @@ def compressed_hook(state: CompressedHookState, bucket: dist.GradBucket) -> torc
 
 
 def comm_hook(name: str, *, process_group: dist.ProcessGroup | None = None,
-              **options: Any) -> tuple[Any, Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]]:
+              **options: Any) -> HookPair:
     """The ``(state, hook)`` pair of a DDP communication hook.
 
     Args:
@@ -147,8 +149,7 @@ def comm_hook(name: str, *, process_group: dist.ProcessGroup | None = None,
         raise UsageError(f"comm hook {name!r}: {exc}") from None
 
 
-def _powersgd(process_group: dist.ProcessGroup | None,
-              options: dict[str, Any]) -> tuple[Any, Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]]:
+def _powersgd(process_group: dist.ProcessGroup | None, options: dict[str, Any]) -> HookPair:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
     _check_options("powersgd", options, tuple(_POWERSGD_OPTIONS))

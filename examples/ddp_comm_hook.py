@@ -58,4 +58,5 @@ x, y = data.test.tensors
 with torch.no_grad():
     accuracy = (model.module(x.to(ctx.device)).argmax(1).cpu() == y).float().mean().item()
 print(f"rank {ctx.rank}: hook {hook_name} {options}: test accuracy {accuracy:.3f}")
+del model, optimizer   # DDP's reducer dropped at interpreter exit can abort the process (gloo threads)
 convoy.shutdown()

@@ -1,4 +1,6 @@
 """convoy's compressors as DDP comm hooks, in real two-process gloo DDP jobs."""
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,7 +26,12 @@ def _train(rank: int, world: int, hook: tuple | None, steps: int) -> torch.Tenso
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    # DDP's reducer, dropped while the interpreter shuts down, can abort the process
+    # (gloo threads); dropping it here, while the process group lives, does not.
+    del model, optimizer
+    gc.collect()
+    return params
 
 
 def _compare_with_plain_ddp(rank: int, world: int, steps: int) -> dict:

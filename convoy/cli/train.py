@@ -22,7 +22,10 @@ Train a CNN with layer-wise pipelined synchronisation.
 Locally, `convoy train --nproc N` starts N worker processes on this machine.
 Under torchrun (`torchrun --nnodes ... --nproc-per-node ... -m convoy train ...`)
 each process is one worker and --nproc is ignored. Settings come from the
-defaults, then a TOML file (--config, keys as below with _ for -), then flags.
+defaults, then a TOML file (--config: keys as below with _ for -, at the top
+level or in the table of their group, e.g. [optim] lr = 0.1), then flags.
+--model and --dataset also take path/to/file.py:factory (see docs/cli.md for
+the arguments a factory gets).
 """
 
 
