@@ -78,7 +78,15 @@ def test_plan_cli(tmp_path, capsys):
     assert main(["plan", str(tmp_path / "c.toml"), "--profile", str(tmp_path / "p.json"), "--batch-size", "16",
                  "--top", "3"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 2 + 3 and "convoy train --nproc 4 --model vgg_fc --batch-size 16" in out[2]
+    assert "convoy train --nproc 4 --model vgg_fc --batch-size 16" in out[2] and out[2 + 3] == ""
+    # Then one torchrun line per machine, node i's rank i, each with the first row's training flags.
+    nodes = [shlex.split(line) for line in out[2 + 3 + 2:]]
+    first_row = shlex.split(out[2][out[2].index("convoy train"):])
+    assert len(nodes) == 4
+    for node, argv in enumerate(nodes):
+        assert argv[:10] == ["torchrun", "--nnodes", "4", "--node-rank", str(node), "--nproc-per-node", "1",
+                             "--master-addr", "HOST0", "--master-port"]
+        assert argv[argv.index("-m"):] == ["-m", "convoy", "train", *first_row[4:]]
     assert main(["plan", str(tmp_path / "c.toml"), "--profile", str(tmp_path / "p.json"), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert rows[0]["rank"] == 1 and len(rows) > 20
@@ -158,7 +166,7 @@ def test_plan_cli_with_steps_to_target(tmp_path, capsys):
     assert main(argv + ["--steps-to-target", path, "--top", "3"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "shortest predicted time to target first" in out[0] and "time to target s" in out[1]
-    assert len(out) == 2 + 3 and "-" in out[4].split()
+    assert out[2 + 3] == "" and "-" in out[4].split()   # then the per-node torchrun lines
     assert main(argv + ["--steps-to-target", path, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert {rows[0]["strategy"], rows[1]["strategy"]} == {"allreduce", "hybrid 2+2"}

@@ -3,8 +3,9 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from convoy.cli.plot import PLOT_FILES, add_parser, plot_run
+from convoy.cli.plot import PLOT_FILES, add_parser, plot_run, robust_top
 from convoy.errors import UsageError
 
 
@@ -117,3 +118,11 @@ def test_help_explains_output(capsys):
     for name in PLOT_FILES:
         assert name in out
     assert "--out" in out and "--rank" in out
+
+
+@settings(max_examples=60, deadline=None)
+@given(typical=st.lists(st.floats(0.001, 1.0), min_size=20, max_size=300), slow=st.floats(10.0, 1000.0))
+def test_a_slow_first_step_does_not_set_the_step_time_scale(typical, slow):
+    top = robust_top([slow] + typical)
+    assert top <= max(typical)                      # the outlier never stretches the axis
+    assert top >= sorted(typical)[len(typical) // 2]  # yet most steps stay on the chart

@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import shlex
+from pathlib import Path
 from typing import Any, Sequence
 
 from convoy.cli.sim_args import add_model_args, resolve_profile
@@ -54,6 +55,11 @@ number of nodes) on any cluster, e.g. the emulated one of convoy bench:
 (flags as plan prints them; null: never reached the target; model,
 batch_size, nodes and target are optional and checked when given).
 
+Each row's command runs the setting on this machine (convoy train --nproc N,
+e.g. on emulated hosts). For a cluster of several machines, plan then prints
+one torchrun command per node for the first row (--json: node_commands of
+every row); give node 0's address with --master-addr.
+
 Strategies whose flags this convoy does not have yet are listed as
 unavailable and never ranked first.
 
@@ -72,6 +78,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--steps-to-target", metavar="FILE",
                    help="measured steps to a target accuracy per strategy (JSON, see below): rank by predicted "
                         "time to that accuracy instead of samples per second")
+    p.add_argument("--master-addr", metavar="HOST", help="node 0's address in the per-node torchrun commands "
+                   "(default: node 0's host in a profile-nodes JSON, else the placeholder HOST0)")
+    p.add_argument("--master-port", metavar="PORT", type=int, default=29500,
+                   help="the port node 0 listens on for the others (default: 29500)")
     p.set_defaults(func=run)
 
 
@@ -110,13 +120,35 @@ def available(flags: list[str], known: set[str], choices: dict[str, tuple[str, .
 
 
 def command(strategy: Strategy, nodes: int, model: str, batch_size: int, extra: Sequence[str] = ()) -> str:
-    """The ``convoy train`` line that runs ``strategy`` (the same flags work under torchrun)."""
-    return shlex.join(["convoy", "train", "--nproc", str(nodes), "--model", model,
-                       "--batch-size", str(batch_size), *strategy.flags(), *extra])
+    """The ``convoy train`` line that runs ``strategy`` on this machine, one process per node."""
+    return shlex.join(["convoy", "train", "--nproc", str(nodes), *_train_args(strategy, model, batch_size, extra)])
+
+
+def node_commands(strategy: Strategy, nodes: int, model: str, batch_size: int, extra: Sequence[str] = (),
+                  master_addr: str = "HOST0", master_port: int = 29500) -> list[str]:
+    """One torchrun line per machine that runs ``strategy`` across ``nodes`` machines, a process each.
+
+    Node i runs the i-th line; node 0 listens at ``master_addr:master_port``.
+    Ranks follow node order, so the plan's racks are consecutive nodes.
+
+    Example::
+
+        >>> node_commands(strategy, 2, "vgg_fc", 16, master_addr="10.0.0.1")[1]
+        'torchrun --nnodes 2 --node-rank 1 --nproc-per-node 1 --master-addr 10.0.0.1 ... -m convoy train ...'
+    """
+    return [shlex.join(["torchrun", "--nnodes", str(nodes), "--node-rank", str(node), "--nproc-per-node", "1",
+                        "--master-addr", master_addr, "--master-port", str(master_port), "-m", "convoy", "train",
+                        *_train_args(strategy, model, batch_size, extra)])
+            for node in range(nodes)]
+
+
+def _train_args(strategy: Strategy, model: str, batch_size: int, extra: Sequence[str]) -> list[str]:
+    return ["--model", model, "--batch-size", str(batch_size), *strategy.flags(), *extra]
 
 
 def rank(profile: ModelProfile, cluster: Cluster, strategies: list[Strategy], known: set[str],
-         choices: dict[str, tuple[str, ...]], convergence: Convergence | None = None) -> list[dict]:
+         choices: dict[str, tuple[str, ...]], convergence: Convergence | None = None,
+         master_addr: str = "HOST0", master_port: int = 29500) -> list[dict]:
     """Predict every strategy; the best available first, unavailable ones after.
 
     Best is the most samples per second, or with ``convergence`` (measured steps
@@ -130,7 +162,9 @@ def rank(profile: ModelProfile, cluster: Cluster, strategies: list[Strategy], kn
         extra = convergence.warmup_flags() if convergence and convergence.warms_up(strategy) else []
         row = {**b.to_json(), "samples_per_s": strategy.workers(cluster) * profile.batch_size / b.step_s,
                "available": available(strategy.flags(), known, choices),
-               "command": command(strategy, cluster.nodes, profile.name, profile.batch_size, extra)}
+               "command": command(strategy, cluster.nodes, profile.name, profile.batch_size, extra),
+               "node_commands": node_commands(strategy, cluster.nodes, profile.name, profile.batch_size, extra,
+                                              master_addr, master_port)}
         if convergence is not None:
             if dense_s is None and convergence.warms_up(strategy):   # once: every warm-up step is dense
                 dense_s = AllReduce(Compression(), getattr(strategy, "costs", None)).step_time(profile, cluster).step_s
@@ -165,8 +199,9 @@ def run(args: argparse.Namespace) -> int:
         # Measured settings whose knobs plan does not try itself are ranked too; plan ranks convoy's own only.
         strategies.update({s.label: s for s in convergence.strategies(cluster.nodes, costs)
                            if not s.peer and s.label not in strategies})
+    master_addr = args.master_addr or _node0_host(args.cluster) or "HOST0"
     rows = rank(profile, cluster, list(strategies.values()), train_flags(), train_choices(),
-                convergence)
+                convergence, master_addr, args.master_port)
     if args.json:
         print(json.dumps({"model": profile.name, "batch_size": profile.batch_size, "nodes": cluster.nodes,
                           "target": convergence.target if convergence else None, "rows": rows}, indent=1))
@@ -175,7 +210,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"{profile.name}, batch {profile.batch_size} per worker, on {cluster.nodes} nodes at "
           f"{cluster.rate_bps / 1e6:g} Mbit/s: {len(rows)} settings, {by}")
     print(format_table(*_table(rows[:args.top], convergence is not None)))
+    if cluster.nodes > 1 and rows[0]["available"]:
+        where = "HOST0: node 0's address, reachable from the others" if master_addr == "HOST0" else \
+            f"node 0 is {master_addr}"
+        print(f"\nThe first row on {cluster.nodes} machines, one process each ({where}); run line i on node i:")
+        for line in rows[0]["node_commands"]:
+            print(f"  {line}")
     return 0
+
+
+def _node0_host(path: str) -> str | None:
+    """Node 0's host name when the cluster file is the JSON of convoy profile-nodes, else None."""
+    try:
+        nodes = json.loads(Path(path).read_text()).get("nodes")
+        first = min(nodes, key=lambda n: int(n.get("rank", 0)))
+        return str(first["host"]) if first.get("host") else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 def _table(rows: list[dict], with_steps: bool) -> tuple[list[str], list[list]]:

@@ -26,9 +26,10 @@ output folder (RUN_DIR unless --out is given):
                  with the test loss of each evaluation overlaid
   accuracy.png   test accuracy (%) against step and against wall time,
                  with the training accuracy as a faint line
-  bytes.png      megabytes sent and received per step
+  bytes.png      megabytes sent (dashed) and received (wide) per step
   step_time.png  time per step split into compute and waiting on
-                 communication, with the means
+                 communication, with the means; the scale ends near the
+                 99th percentile, so a slow first step does not set it
 
 Existing files of the same names are overwritten. The path of each file
 written is printed, one per line.
@@ -114,6 +115,22 @@ def _load(run_dir: Path, rank: int) -> tuple[list[dict[str, Any]], list[dict[str
     return steps, evals
 
 
+def robust_top(values: list[float], percentile: float = 99.0) -> float:
+    """The ``percentile``-th of ``values``, never interpolated towards an outlier above it.
+
+    The step-time chart's scale: the first steps (warm-up, tracing) can take
+    many times longer than the rest and would otherwise flatten every other step.
+
+    Example::
+
+        >>> robust_top([5.0] + [0.1] * 99)
+        0.1
+    """
+    import numpy as np
+
+    return float(np.percentile(values, percentile, method="lower")) if values else 0.0
+
+
 def plot_run(run_dir: Path, out_dir: Path | None = None, rank: int = 0) -> list[Path]:
     """Write the four PNG charts of ``rank``'s metrics; returns their paths."""
     run_dir = Path(run_dir)
@@ -171,10 +188,13 @@ def plot_run(run_dir: Path, out_dir: Path | None = None, rank: int = 0) -> list[
     axes[0].set_ylabel("accuracy (%)")
     save(fig, "accuracy.png")
 
-    # 3. bytes
+    # 3. bytes: often equal (a ring all-reduce sends what it receives), so the
+    # sent line is dashed with markers on top of a wide, faint received line.
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    ax.plot(s_step, [b / 1e6 for b in col(steps, "bytes_sent")], lw=1, label="sent")
-    ax.plot(s_step, [b / 1e6 for b in col(steps, "bytes_received")], lw=1, label="received")
+    ax.plot(s_step, [b / 1e6 for b in col(steps, "bytes_received")], lw=4, alpha=0.4, color="tab:orange",
+            label="received")
+    ax.plot(s_step, [b / 1e6 for b in col(steps, "bytes_sent")], "--", lw=1.2, color="tab:blue",
+            marker="o", markersize=3, markevery=max(1, len(s_step) // 40), label="sent", zorder=3)
     ax.set_xlabel("step")
     ax.set_ylabel("MB per step")
     ax.grid(alpha=0.3)
@@ -190,16 +210,19 @@ def plot_run(run_dir: Path, out_dir: Path | None = None, rank: int = 0) -> list[
     ax.set_ylabel("seconds per step")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right")
-    peak = max((c + w for c, w in zip(compute, wait)), default=0.0)
-    if peak > 0:
-        ax.set_ylim(0, peak * 1.35)  # head room for the legend and the text box
+    totals = [c + w for c, w in zip(compute, wait)]
+    top = robust_top(totals) * 1.35   # head room for the legend and the text box
+    clipped = sum(t > top for t in totals)
+    if top > 0:
+        ax.set_ylim(0, top)
     n = len(steps)
     mean_c, mean_w = sum(compute) / n, sum(wait) / n
     total = mean_c + mean_w
     share = f" ({100 * mean_w / total:.0f}% of step)" if total > 0 else ""
+    above = f"\n{clipped} step(s) above the chart, the slowest {max(totals) * 1000:.0f} ms" if clipped else ""
     ax.text(0.02, 0.97,
             f"mean compute: {mean_c * 1000:.1f} ms\n"
-            f"mean waiting on communication: {mean_w * 1000:.1f} ms{share}",
+            f"mean waiting on communication: {mean_w * 1000:.1f} ms{share}{above}",
             transform=ax.transAxes, va="top", ha="left", fontsize=9,
             bbox=dict(boxstyle="round", facecolor="white", alpha=0.85))
     save(fig, "step_time.png")

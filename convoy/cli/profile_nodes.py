@@ -101,4 +101,7 @@ def render(plan: ClusterPlan) -> str:
     lines += ["", *(["* from --node-profile"] if starred else []), f"weights: {weights}",
               f"clusters: {plan.clusters}", f"servers (first election, {plan.election.choice}, "
               f"re-elected every {plan.election.every} cycles): {servers}"]
+    warning = plan.noise_warning()
+    if warning:
+        lines.append(f"warning: {warning}")
     return "\n".join(lines)

@@ -12,7 +12,9 @@ from convoy.cli.errors import run_and_exit
 from convoy.cli.launch import launch
 from convoy.errors import UsageError
 from convoy.runtime import launched_by_torchrun
-from convoy.train.config import TrainConfig, build_config, config_fields, load_toml
+from convoy.train.config import SECTIONS, TrainConfig, build_config, config_fields, load_toml
+from convoy.train.optim import resolve_optimizer
+from convoy.utils.imports import cwd_importable, is_import_path, load_object
 
 DESCRIPTION = """\
 Train a CNN with layer-wise pipelined synchronisation.
@@ -20,24 +22,32 @@ Train a CNN with layer-wise pipelined synchronisation.
 Locally, `convoy train --nproc N` starts N worker processes on this machine.
 Under torchrun (`torchrun --nnodes ... --nproc-per-node ... -m convoy train ...`)
 each process is one worker and --nproc is ignored. Settings come from the
-defaults, then a TOML file (--config, keys as below with _ for -), then flags.
+defaults, then a TOML file (--config: keys as below with _ for -, at the top
+level or in the table of their group, e.g. [optim] lr = 0.1), then flags.
+--model and --dataset also take path/to/file.py:factory (see docs/cli.md for
+the arguments a factory gets).
 """
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("train", help="train a model (locally or under torchrun)",
-                                   description=DESCRIPTION,
+                                   description=DESCRIPTION, usage="convoy train [--config FILE] [options]",
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below")
+    parser.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below, as flat "
+                        "keys (lr = 0.1) or in their section's table ([optim] lr = 0.1)")
+    groups = {name: parser.add_argument_group(name, about) for name, about in SECTIONS.items()}
     for field in config_fields():
-        _add_option(parser, field)
+        _add_option(groups[field.metadata["section"]], field)
     parser.set_defaults(func=run)
     worker = subparsers.add_parser("_worker")
     worker.add_argument("config_json")
     worker.set_defaults(func=run_worker_from_file)
 
 
-def _add_option(parser: argparse.ArgumentParser, field: dataclasses.Field) -> None:
+_METAVARS = {int: "N", float: "X", str: "VALUE"}
+
+
+def _add_option(parser: argparse._ActionsContainer, field: dataclasses.Field) -> None:
     flag = "--" + field.name.replace("_", "-")
     default = "" if field.default is None else f" (default: {field.default})"
     kind = str(field.type)
@@ -51,7 +61,7 @@ def _add_option(parser: argparse.ArgumentParser, field: dataclasses.Field) -> No
         return
     convert = {"int": int, "float": float}.get(kind.split(" ")[0], str)
     parser.add_argument(flag, dest=field.name, type=convert, default=argparse.SUPPRESS,
-                        metavar=field.name.upper(), help=field.metadata["help"] + default)
+                        metavar=_METAVARS[convert], help=field.metadata["help"] + default)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -60,15 +70,28 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    cwd_importable()
     config = config_from_args(args)
     if launched_by_torchrun():
         run_worker(config)
+    check_import_paths(config)
     if config.parallel == "hybrid" and config.conv_workers + config.fc_workers != config.nproc:
         raise UsageError(f"--conv-workers + --fc-workers ({config.conv_workers + config.fc_workers}) must "
                          f"equal --nproc ({config.nproc})")
     if config.out is None:
         config.out = time.strftime("runs/%Y%m%d-%H%M%S")
     return launch(json.dumps(dataclasses.asdict(config)), config.nproc)
+
+
+def check_import_paths(config: TrainConfig) -> None:
+    """Import the user's model and dataset factories in the launcher, so a bad path is one line, before any worker."""
+    for flag, value in (("--model", config.model), ("--dataset", config.dataset)):
+        if is_import_path(value):
+            try:
+                load_object(value)
+            except ValueError as exc:
+                raise UsageError(f"{flag}: {exc}") from None
+    resolve_optimizer(config.optimizer)
 
 
 def run_worker_from_file(args: argparse.Namespace) -> NoReturn:
@@ -85,6 +108,7 @@ def run_worker(config: TrainConfig) -> NoReturn:
 
     rank = int(os.environ.get("RANK", 0))
     die_with_parent(os.getppid())   # under torchrun, the agent; locally, convoy's launcher
+    cwd_importable()
 
     def body() -> None:
         summary = train(config)

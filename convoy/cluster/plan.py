@@ -46,7 +46,35 @@ class ClusterPlan:
         nodes = [{**p.as_dict(), "normalised": n, "cluster": self.cluster_of(p.rank)}
                  for p, n in zip(self.profiles, self.normalised)]
         return {"nodes": nodes, "weights": self.weights, "clusters": self.clusters, "servers": self.servers(0),
-                "server_choice": self.election.choice, "reelect_every": self.election.every}
+                "server_choice": self.election.choice, "reelect_every": self.election.every,
+                "noise_warning": self.noise_warning()}
+
+    def noise_warning(self) -> str | None:
+        """A sentence when the clusters differ by no more than the measurements' own noise, else None.
+
+        For every weighted indicator, the clusters' means are compared: their
+        gap, (largest - smallest) / largest, against the noise, the largest
+        spread of one node's repeated tries of it (0 for values that are not
+        timed or come from a file). When no gap exceeds its noise, the split
+        is the noise's, and the nodes are probably alike.
+        """
+        if len(self.clusters) < 2:
+            return None
+        worst = None
+        for name in INDICATORS:
+            if self.weights.get(name, 0) <= 0:
+                continue
+            means = [float(np.mean([getattr(self.profiles[r], name) for r in members])) for members in self.clusters]
+            gap = (max(means) - min(means)) / max(means) if max(means) > 0 else 0.0
+            noise = max(p.noise.get(name, 0.0) for p in self.profiles)
+            if gap > noise:
+                return None
+            if gap > 0 and (worst is None or gap > worst[1]):
+                worst = (name, gap, noise)
+        detail = f" (largest: {worst[0]} {worst[1]:.0%}, while a node's own tries differed by {worst[2]:.0%})" \
+            if worst else ""
+        return (f"the {len(self.clusters)} clusters differ by less than the measurement noise{detail}; "
+                "the nodes are probably alike: consider --clusters 1")
 
 
 def make_plan(profiles: list[NodeProfile], weights: dict[str, float], clusters: int | str = "auto",

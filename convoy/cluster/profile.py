@@ -4,8 +4,9 @@ Each rank measures its CPU clock, memory, GPU clock and memory (0 without a
 GPU) and disk throughput (a timed write + fsync in a temporary directory);
 uplink bandwidth is a timed transfer over the process group: every rank r > 0
 sends a buffer to rank 0 (on request, so the clock runs only while the bytes
-move), and rank 0 sends one to rank 1; the best of three tries counts. A ``--node-profile`` file replaces any
-of these values, and an indicator it gives is not measured.
+move), and rank 0 sends one to rank 1; the best of three tries counts (of two for
+the disk), and how much the tries differed is kept as the node's measurement noise.
+A ``--node-profile`` file replaces any of these values, and an indicator it gives is not measured.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 import socket
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from convoy.cluster.indicators import INDICATORS
 from convoy.cluster.profile_file import ProfileOverrides
 
 DISK_BYTES = 16 << 20
+DISK_TRIES = 2
 UPLINK_BYTES = 2 << 20
 UPLINK_TRIES = 3
 
@@ -39,6 +41,8 @@ class NodeProfile:
     disk_mbps: float = 0.0
     uplink_mbps: float = 0.0
     from_file: tuple[str, ...] = ()
+    # Per timed indicator, how much this node's own tries differed: (best - worst) / best.
+    noise: dict[str, float] = field(default_factory=dict)
 
     def values(self) -> dict[str, float]:
         return {name: float(getattr(self, name)) for name in INDICATORS}
@@ -100,9 +104,20 @@ def disk_mbps(directory: str | None = None, nbytes: int = DISK_BYTES) -> float:
     return max(nbytes, len(block)) / 1e6 / max(elapsed, 1e-9)
 
 
+def spread(tries: list[float]) -> float:
+    """How much repeated measurements of one thing differ: (best - worst) / best, 0 for none."""
+    return (max(tries) - min(tries)) / max(tries) if tries and max(tries) > 0 else 0.0
+
+
 def uplink_mbps(nbytes: int = UPLINK_BYTES, group: dist.ProcessGroup | None = None,
                 tries: int = UPLINK_TRIES) -> list[float]:
-    """Every rank's uplink in Mbit/s, the same list on every rank; a collective.
+    """Every rank's uplink in Mbit/s, the best of its tries (see :func:`uplink_tries`); a collective."""
+    return [max(rates) for rates in uplink_tries(nbytes, group, tries)]
+
+
+def uplink_tries(nbytes: int = UPLINK_BYTES, group: dist.ProcessGroup | None = None,
+                 tries: int = UPLINK_TRIES) -> list[list[float]]:
+    """Every rank's uplink in Mbit/s of each try, the same lists on every rank; a collective.
 
     Rank r > 0 is timed sending to rank 0, rank 0 sending to rank 1, one at a
     time so transfers do not share links. The receiver sends a one-byte
@@ -111,15 +126,15 @@ def uplink_mbps(nbytes: int = UPLINK_BYTES, group: dist.ProcessGroup | None = No
     a transfer slower.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    rates = torch.zeros(world, dtype=torch.float64)
+    rates = torch.zeros(world, tries, dtype=torch.float64)
     if world == 1:
         return rates.tolist()
     payload = torch.zeros(nbytes, dtype=torch.uint8)
     for sender in range(world):
         receiver = 1 if sender == 0 else 0
-        for _ in range(tries):
+        for attempt in range(tries):
             if rank == receiver:
-                rates[sender] = max(rates[sender], _timed_receive(sender, payload, group))
+                rates[sender, attempt] = _timed_receive(sender, payload, group)
             elif rank == sender:
                 go = torch.zeros(1, dtype=torch.uint8)
                 dist.recv(go, src=_global(receiver, group), group=group)
@@ -159,15 +174,21 @@ def profile_job(overrides: ProfileOverrides | None = None, local_rank: int = 0,
         "memory_gb": memory_gb,
         "gpu_mhz": lambda: gpu_mhz_and_memory_gb(local_rank)[0],
         "gpu_memory_gb": lambda: gpu_mhz_and_memory_gb(local_rank)[1],
-        "disk_mbps": lambda: disk_mbps(disk_dir),
     }
     for name, how in measure.items():
         setattr(mine, name, given[rank][name] if name in given[rank] else how())
+    if "disk_mbps" in given[rank]:
+        mine.disk_mbps = given[rank]["disk_mbps"]
+    else:
+        disk = [disk_mbps(disk_dir) for _ in range(DISK_TRIES)]
+        mine.disk_mbps, mine.noise["disk_mbps"] = max(disk), spread(disk)
     # The timed transfer is a collective: run it unless the file gives every rank's uplink.
-    if any("uplink_mbps" not in g for g in given):
-        mine.uplink_mbps = uplink_mbps()[rank] if world > 1 else 0.0
+    if any("uplink_mbps" not in g for g in given) and world > 1:
+        uplink = uplink_tries()[rank]
+        mine.uplink_mbps, mine.noise["uplink_mbps"] = max(uplink), spread(uplink)
     if "uplink_mbps" in given[rank]:
         mine.uplink_mbps = given[rank]["uplink_mbps"]
+        mine.noise.pop("uplink_mbps", None)   # a given value is exact
     return _all_gather([mine], world)
 
 

@@ -89,6 +89,9 @@ class Memory(ABC):
     def update(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> None:
         """Remember ``compensated - sent`` as the new residual."""
 
+    def forget(self, name: str) -> None:
+        """Drop what is kept for ``name`` (its layout changed, e.g. DDP rebuilt its buckets)."""
+
 
 class NoMemory(Memory):
     """Drop whatever was not sent."""
@@ -116,3 +119,6 @@ class ResidualMemory(Memory):
 
     def update(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> None:
         self.residuals[name] = compensated - sent
+
+    def forget(self, name: str) -> None:
+        self.residuals.pop(name, None)

@@ -64,7 +64,8 @@ def build_dataset(
         return loaders[name]()
     if is_import_path(name):
         return _from_factory(name, data_dir)
-    raise UsageError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASET_NAMES)}, or package.module:factory")
+    raise UsageError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASET_NAMES)}, "
+                     "path/to/file.py:factory or package.module:factory")
 
 
 def _from_factory(path: str, data_dir: str | None) -> DatasetSplits:

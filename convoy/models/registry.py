@@ -49,7 +49,7 @@ def build_model(
     else:
         raise UsageError(
             f"unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}, "
-            "or package.module:factory"
+            "or path/to/file.py:factory or package.module:factory"
         )
     model = call_with_supported(
         factory, in_channels=in_channels, num_classes=num_classes, image_size=tuple(image_size)

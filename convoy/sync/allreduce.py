@@ -32,6 +32,9 @@ class _PendingAllReduce(PendingSync):
         self._work.wait()
         return self._finish()
 
+    def future(self) -> torch.futures.Future:
+        return self._work.get_future().then(lambda _: self._finish())
+
 
 class AllReduce(SyncStrategy):
     """Asynchronous exchange of each layer's (compressed) gradient, then average.
@@ -79,13 +82,22 @@ class AllReduce(SyncStrategy):
         self._exchanges.clear()
 
     def start(self, bucket: Bucket, grad: torch.Tensor) -> PendingSync:
-        step = self._exchanges.get(bucket.index, self._first_step)
-        self._exchanges[bucket.index] = step + 1
+        return self.start_flat(bucket.index, tuple(p.shape for p in bucket.params), grad)
+
+    def start_flat(self, index: int, shapes: tuple[torch.Size, ...], grad: torch.Tensor) -> PendingSync:
+        """Begin exchanging ``grad``, the concatenated gradients of parameters of ``shapes``.
+
+        ``index`` names the bucket, the same on every rank (error feedback and
+        warm-up are kept per index); callers that have no engine ``Bucket``
+        (a DDP comm hook) use this entry.
+        """
+        step = self._exchanges.get(index, self._first_step)
+        self._exchanges[index] = step + 1
+        name = str(index)
         if step < self.warmup_steps:
-            return self._exchange(self._dense, *self._dense.compress(grad, str(bucket.index)))
-        name = str(bucket.index)
+            return self._exchange(self._dense, *self._dense.compress(grad, name))
         compensated = self.memory.compensate(grad, name)
-        info = LayerInfo(shapes=tuple(p.shape for p in bucket.params), agree=self._agree, step=step)
+        info = LayerInfo(shapes=shapes, agree=self._agree, step=step)
         payload, ctx = self.compressor.compress(compensated, name, info)
         self.memory.update(compensated, name, self.compressor.decompress(payload, ctx))
         return self._exchange(self.compressor, payload, ctx)

@@ -20,6 +20,16 @@ class PendingSync(ABC):
     def wait(self) -> torch.Tensor:
         """Block until the exchange ends; return the averaged flat gradient."""
 
+    def future(self) -> torch.futures.Future:
+        """A torch Future of the averaged flat gradient (what a DDP comm hook returns).
+
+        This default waits first; exchanges backed by a collective override it
+        so the result is computed when the collective completes.
+        """
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(self.wait())
+        return done
+
 
 class SyncStrategy(ABC):
     """Exchanges each layer's gradient with the other workers.

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from convoy.errors import UsageError
+from convoy.utils.suggest import did_you_mean
 from convoy.utils.toml import read_toml
 
 
@@ -29,30 +30,52 @@ OTHER_MODELS_LR = 0.05
 DEFAULT_EPOCHS = 20  # the default job's length; see bench/results/default_job.md
 
 
-def _opt(default: Any, help: str, **extra: Any) -> Any:
-    return field(default=default, metadata={"help": help, **extra})
+# The sections of a config, in the order --help shows them: the [section]
+# tables of a TOML config and the argument groups of ``convoy train --help``.
+SECTIONS: dict[str, str] = {
+    "model": "the network to train",
+    "data": "the dataset and how it is batched",
+    "optim": "optimizer and learning rate",
+    "run": "length, evaluation, output and the worker processes",
+    "sync": "how workers exchange gradients (allreduce, hierarchical, ps)",
+    "compress": "gradient compression and error feedback",
+    "parallel": "processes and how the model is laid out over them",
+    "checkpoint": "checkpoints, resuming, and initial weights",
+}
+DEVICE_NAMES = ("cpu", "cuda")
+
+
+def _opt(default: Any, help: str, *, section: str, **extra: Any) -> Any:
+    if section not in SECTIONS:
+        raise ValueError(f"unknown config section {section!r}")  # a typo in this table, caught at import
+    return field(default=default, metadata={"help": help, "section": section, **extra})
 
 
 @dataclass
 class TrainConfig:
     """A training job. Field names are the TOML keys; ``--batch-size`` is ``batch_size``."""
 
-    nproc: int = _opt(2, "local worker processes to spawn (ignored under torchrun)")
-    model: str = _opt("lenet", "lenet, vgg_fc, resnet18, or package.module:factory returning an nn.Module")
-    dataset: str = _opt("digits", "digits (embedded), mnist, cifar10, synthetic, or package.module:factory")
-    data_dir: str | None = _opt(None, "folder holding the mnist IDX files or the cifar10 python batches")
-    synthetic_shape: str = _opt("3,32,32", "C,H,W of the synthetic dataset's images")
+    nproc: int = _opt(2, "local worker processes to spawn (ignored under torchrun)", section="parallel")
+    model: str = _opt("lenet", "lenet, vgg_fc, resnet18, or path/to/file.py:factory or package.module:factory "
+                      "returning an nn.Module; the factory gets whichever of in_channels, num_classes, image_size "
+                      "(H, W) it declares", section="model")
+    dataset: str = _opt("digits", "digits (embedded), mnist, cifar10, synthetic, or path/to/file.py:factory or "
+                        "package.module:factory returning a DatasetSplits or a torch Dataset; the factory gets "
+                        "data_dir if it declares it", section="data")
+    data_dir: str | None = _opt(None, "folder holding the mnist IDX files or the cifar10 python batches",
+                                section="data")
+    synthetic_shape: str = _opt("3,32,32", "C,H,W of the synthetic dataset's images", section="data")
     # The default job (lenet on digits, 2 workers): chosen by bench/default_job.py, >= 97% for seeds 0-2.
     batch_size: int = _opt(16, "samples per worker per step (per micro-batch with --grad-accum); the global batch "
-                                  "is nproc x grad-accum x this")
+                                  "is nproc x grad-accum x this", section="data")
     optimizer: str = _opt("sgd", "optimizer, applied layer by layer: " + ", ".join(OPTIMIZER_NAMES)
-                          + ", or package.module:Class")
+                          + ", or package.module:Class", section="optim")
     lr: float | None = _opt(None, "learning rate (default per model: "
                             + ", ".join(f"{name} {lr}" for name, lr in DEFAULT_LR.items())
                             + f", others {OTHER_MODELS_LR})", section="optim")
-    momentum: float = _opt(0.9, "momentum (sgd, rmsprop)")
-    weight_decay: float = _opt(5e-4, "L2 weight decay")
-    lr_schedule: str = _opt("cosine", "learning-rate schedule: " + ", ".join(LR_SCHEDULE_NAMES))
+    momentum: float = _opt(0.9, "momentum (sgd, rmsprop)", section="optim")
+    weight_decay: float = _opt(5e-4, "L2 weight decay", section="optim")
+    lr_schedule: str = _opt("cosine", "learning-rate schedule: " + ", ".join(LR_SCHEDULE_NAMES), section="optim")
     # Mixed precision, accumulation and clipping (data parallelism: --sync allreduce or hierarchical)
     amp: str = _opt("off", "mixed precision: off, bf16 (works on CPU), or fp16 (with dynamic loss scaling)",
                     section="optim")
@@ -60,67 +83,81 @@ class TrainConfig:
                            "exchanges the summed gradient once (equal to an N-times larger batch)", section="optim")
     clip_grad_norm: float | None = _opt(None, "scale the averaged gradient down to this global L2 norm; a step's "
                                         "updates then wait for all its exchanges", section="optim")
-    steps: int | None = _opt(None, "train this many steps (exclusive with --epochs)")
-    epochs: int | None = _opt(None, f"train this many epochs (default {DEFAULT_EPOCHS} when --steps is not given)")
-    eval_every: int = _opt(0, "evaluate on the test set every N steps (0: at the end only)")
+    steps: int | None = _opt(None, "train this many steps (exclusive with --epochs)", section="run")
+    epochs: int | None = _opt(None, f"train this many epochs (default {DEFAULT_EPOCHS} when --steps is not given)",
+                              section="run")
+    eval_every: int = _opt(0, "evaluate on the test set every N steps (0: at the end only)", section="run")
     stop_at_accuracy: float | None = _opt(None, "stop once an evaluation reaches this test accuracy "
-                                          "(0..1; needs --eval-every)")
-    seed: int = _opt(0, "seed of the model's initialisation and the data order")
-    out: str | None = _opt(None, "run folder for metrics and the final model (default runs/<time>)")
+                                          "(0..1; needs --eval-every)", section="run")
+    seed: int = _opt(0, "seed of the model's initialisation and the data order", section="run")
+    out: str | None = _opt(None, "run folder for metrics and the final model (default runs/<time>)", section="run")
     logger: tuple[str, ...] = _opt((), "also log metrics to: tensorboard (events file), csv (metrics.csv); "
                                    "repeatable, a list in TOML; rank 0 only", section="run")
-    sync: str = _opt("allreduce", "gradient synchronisation strategy")
+    sync: str = _opt("allreduce", "gradient synchronisation strategy: allreduce, hierarchical or ps", section="sync")
     clusters: str = _opt("auto", "hierarchical: number of node clusters K, or auto (the K with the best "
-                         "silhouette score)")
+                         "silhouette score)", section="sync")
     exchange_every: int = _opt(4, "hierarchical: T, batches per exchange cycle; the clusters' parameters are "
-                               "combined after every T-th batch")
-    reelect_every: int = _opt(4, "hierarchical: R, exchange cycles between elections of the clusters' servers")
+                               "combined after every T-th batch", section="sync")
+    reelect_every: int = _opt(4, "hierarchical: R, exchange cycles between elections of the clusters' servers",
+                              section="sync")
     server_choice: str = _opt("random", "hierarchical: how each cluster's temporary server is elected: random "
-                              "(seeded order, rotating) or capable (highest weighted indicators)")
+                              "(seeded order, rotating) or capable (highest weighted indicators)", section="sync")
     indicator_weights: str | None = _opt(None, "hierarchical: indicator weights as name=value pairs (cpu_mhz, "
                                          "memory_gb, gpu_mhz, gpu_memory_gb, disk_mbps, uplink_mbps) or six "
-                                         "numbers; default 1,0.5,1,0.5,0.5,2")
+                                         "numbers; default 1,0.5,1,0.5,0.5,2", section="sync")
     node_profile: str | None = _opt(None, "hierarchical: TOML file of node indicators overriding the measured "
-                                    "ones ([all], [hosts.NAME], [ranks.N] tables)")
+                                    "ones ([all], [hosts.NAME], [ranks.N] tables)", section="sync")
     servers: int | None = _opt(None, "ps: S, the ranks 0..S-1 that serve the parameters (default 1); the other "
-                               "ranks are workers")
-    channels: int | None = _opt(None, "ps: connections (process groups) per server-worker pair (default 2; fifo: 1)")
+                               "ranks are workers", section="sync")
+    channels: int | None = _opt(None, "ps: connections (process groups) per server-worker pair (default 2; fifo: 1)",
+                                section="sync")
     priority: str = _opt("graph", "ps: transfer order: graph (the next forward's order, traced), timed (also "
-                         "weighs measured run and transfer times), or fifo (arrival order, whole tensors)")
+                         "weighs measured run and transfer times), or fifo (arrival order, whole tensors)",
+                         section="sync")
     slice_kb: float | None = _opt(None, "ps: cut transfers into slices of this many KB (default 256; fifo: whole "
-                                  "tensors)")
-    credit_kb: float | None = _opt(None, "ps: KB a sender keeps in flight at most (default 1024; fifo: no limit)")
+                                  "tensors)", section="sync")
+    credit_kb: float | None = _opt(None, "ps: KB a sender keeps in flight at most (default 1024; fifo: no limit)",
+                                   section="sync")
     trace: bool = _opt(False, "ps: record a timeline of --trace-steps steps; writes trace.json (Chrome trace) "
-                       "into the run folder")
-    trace_steps: int = _opt(3, "ps: steps the --trace timeline covers (after the first)")
-    compress: str = _opt("none", "gradient compressor: none, fp16, blocktopk, topk, randomk")
+                       "into the run folder", section="sync")
+    trace_steps: int = _opt(3, "ps: steps the --trace timeline covers (after the first)", section="sync")
+    compress: str = _opt("none", "gradient compressor: none, fp16, blocktopk, topk, randomk", section="compress")
     blocks_per_layer: int | None = _opt(None, "blocktopk: blocks kept per parameter (default 1; "
-                                        "exclusive with --block-fraction)")
+                                        "exclusive with --block-fraction)", section="compress")
     block_fraction: float | None = _opt(None, "blocktopk: fraction of each parameter's blocks kept, "
-                                        "in (0, 1], at least one")
-    block_metric: str = _opt("l1", "blocktopk: norm that scores a block: l1 or l2")
+                                        "in (0, 1], at least one", section="compress")
+    block_metric: str = _opt("l1", "blocktopk: norm that scores a block: l1 or l2", section="compress")
     block_selection: str = _opt("local", "blocktopk: local (each rank its own blocks, all-gathered) or "
-                                "global (scores summed, the same blocks on every rank, all-reduced)")
-    element_fraction: float = _opt(0.01, "topk, randomk: fraction of each layer's elements sent, in (0, 1]")
-    warmup_steps: int = _opt(0, "exchange the first N steps uncompressed before compressing")
+                                "global (scores summed, the same blocks on every rank, all-reduced)",
+                                section="compress")
+    element_fraction: float = _opt(0.01, "topk, randomk: fraction of each layer's elements sent, in (0, 1]",
+                                   section="compress")
+    warmup_steps: int = _opt(0, "exchange the first N steps uncompressed before compressing", section="compress")
     parallel: str = _opt("data", "parallel layout: data, or hybrid (conv layers data-parallel on "
-                         "--conv-workers, the FC head on --fc-workers)")
-    conv_workers: int | None = _opt(None, "hybrid: I, the ranks 0..I-1 that train the conv layers")
-    fc_workers: int | None = _opt(None, "hybrid: J, the ranks I..I+J-1 that train the FC head (I divisible by J)")
+                         "--conv-workers, the FC head on --fc-workers)", section="parallel")
+    conv_workers: int | None = _opt(None, "hybrid: I, the ranks 0..I-1 that train the conv layers",
+                                    section="parallel")
+    fc_workers: int | None = _opt(None, "hybrid: J, the ranks I..I+J-1 that train the FC head (I divisible by J)",
+                                  section="parallel")
     split_at: str | None = _opt(None, "hybrid: the child module where the FC head begins "
-                                "(default: the model's classifier, or its first Flatten/Linear after the last conv)")
+                                "(default: the model's classifier, or its first Flatten/Linear after the last conv)",
+                                section="parallel")
     sub_batches: int = _opt(1, "hybrid: send activations in K pieces so the link overlaps the FC "
-                            "head's compute (at most --batch-size)")
-    threads: int = _opt(1, "torch threads per worker")
-    timeout: float = _opt(300.0, "seconds a collective waits for a peer before the job fails")
-    progress: bool = _opt(True, "show a progress bar on rank 0")
+                            "head's compute (at most --batch-size)", section="parallel")
+    threads: int = _opt(1, "torch threads per worker", section="run")
+    timeout: float = _opt(300.0, "seconds a collective waits for a peer before the job fails", section="run")
+    progress: bool = _opt(True, "show a progress bar on rank 0", section="run")
+    device: str = _opt("cpu", "cpu (gloo) or cuda (NCCL; each process uses the GPU of its local rank)",
+                       section="run")
     checkpoint_dir: str | None = _opt(None, "checkpoint layer by layer into this directory (a DAX/pmem "
-                                      "mount is used as such); resumes from it when it holds a checkpoint")
-    checkpoint_every: int = _opt(1, "checkpoint every N steps (and after the last one)")
+                                      "mount is used as such); resumes from it when it holds a checkpoint",
+                                      section="checkpoint")
+    checkpoint_every: int = _opt(1, "checkpoint every N steps (and after the last one)", section="checkpoint")
     resume: bool | None = _opt(None, "resume from --checkpoint-dir (--resume: fail if it holds none; "
-                               "--no-resume: start over, overwriting it); default: resume if it holds one")
+                               "--no-resume: start over, overwriting it); default: resume if it holds one",
+                               section="checkpoint")
     init_from: str | None = _opt(None, "start from the parameters of this state_dict file (.pt), e.g. "
-                                 "from convoy checkpoint export")
+                                 "from convoy checkpoint export", section="checkpoint")
 
     def total_steps(self, steps_per_epoch: int) -> int:
         if self.steps is not None:
@@ -170,13 +207,14 @@ class TrainConfig:
         self._validate_compression()
         _one_of("parallel", self.parallel, PARALLEL_NAMES)
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULE_NAMES)
+        self._validate_device()
         # Names are checked here, before any worker starts; import paths only
         # resolve inside the workers, where the user's modules are imported.
         for name, value, choices in (("optimizer", self.optimizer, OPTIMIZER_NAMES),
                                      ("model", self.model, MODEL_NAMES),
                                      ("dataset", self.dataset, DATASET_NAMES)):
             if ":" not in value:
-                _one_of(name, value, choices + ("package.module:factory",))
+                _one_of(name, value, choices + ("file.py:factory", "package.module:factory"))
         self.synthetic_dims()
         self._validate_hybrid()
         self._validate_hierarchical()
@@ -224,6 +262,14 @@ class TrainConfig:
             raise UsageError(f"{', '.join(given)} {verb} --parallel data with --sync allreduce or hierarchical "
                              "(under ps the servers, under hybrid two engines, update layers as their gradients "
                              "arrive; no rank sees a step's whole gradient)")
+
+    def _validate_device(self) -> None:
+        import torch
+
+        _one_of("device", self.device, DEVICE_NAMES)
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise UsageError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
+                             "use --device cpu")
 
     def _validate_checkpointing(self) -> None:
         _at_least("checkpoint_every", self.checkpoint_every, 1)
@@ -365,7 +411,8 @@ def _fraction(name: str, value: float) -> None:
 
 def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise UsageError(f"unknown {_flag(name)} {value!r}; choose one of: {', '.join(choices)}")
+        raise UsageError(f"unknown {_flag(name)} {value!r}; choose one of: {', '.join(choices)}"
+                         + did_you_mean(value, choices))
 
 
 def config_fields() -> list[dataclasses.Field]:
@@ -373,16 +420,31 @@ def config_fields() -> list[dataclasses.Field]:
 
 
 def load_toml(path: str) -> dict[str, Any]:
-    """Read a config file; keys may be spelt with - or _; unknown keys are errors."""
-    raw = read_toml(path, "config file")
-    known = {f.name: f for f in config_fields()}
-    values = {}
-    for key, value in raw.items():
-        name = key.replace("-", "_")
-        if name not in known:
-            raise UsageError(f"config file {path}: unknown key {key!r}; valid keys: {', '.join(known)}")
-        values[name] = value
+    """Read a config file: flat keys, or keys inside their [section] tables; - or _ alike.
+
+    ``lr = 0.1`` at the top and ``[optim]`` ``lr = 0.1`` are the same
+    setting; a key in another section's table, or an unknown key, is an error.
+    """
+    values: dict[str, Any] = {}
+    for key, value in read_toml(path, "config file").items():
+        if key in SECTIONS and isinstance(value, dict):
+            for inner, inner_value in value.items():
+                values[_known_key(path, inner, key)] = inner_value
+        else:
+            values[_known_key(path, key, None)] = value
     return values
+
+
+def _known_key(path: str, key: str, section: str | None) -> str:
+    known = {f.name: f.metadata["section"] for f in config_fields()}
+    name = key.replace("-", "_")
+    where = f"[{section}] " if section else ""
+    if name not in known:
+        raise UsageError(f"config file {path}: unknown key {where}{key!r}; valid keys: {', '.join(known)}"
+                         + did_you_mean(name, known))
+    if section is not None and known[name] != section:
+        raise UsageError(f"config file {path}: {key!r} belongs in [{known[name]}], not [{section}]")
+    return name
 
 
 def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainConfig:

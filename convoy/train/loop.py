@@ -37,18 +37,22 @@ class RunSummary:
     wall_s: float
     test_accuracy: float
     test_loss: float
-    bytes_sent_per_worker: float
+    bytes_sent_per_worker: float   # the mean over all ranks
     run_dir: str
+    bytes_sent_rank0: float | None = None   # what the progress bar counts; differs in ps and hybrid jobs
 
     def line(self) -> str:
+        sent, rank0 = f"{self.bytes_sent_per_worker / 1e6:.2f}", f"{(self.bytes_sent_rank0 or 0) / 1e6:.2f}"
+        shown = self.bytes_sent_rank0 is not None and rank0 != sent   # ranks sent unequal amounts
+        mine = f" (rank 0: {rank0} MB, as on the progress bar)" if shown else ""
         return (f"convoy: {self.steps} steps in {self.wall_s:.1f} s, test accuracy "
-                f"{100 * self.test_accuracy:.2f}%, {self.bytes_sent_per_worker / 1e6:.2f} MB sent "
-                f"per worker; run folder {self.run_dir}")
+                f"{100 * self.test_accuracy:.2f}%, {sent} MB sent per worker on average{mine}; "
+                f"run folder {self.run_dir}")
 
 
 def run(config: TrainConfig) -> RunSummary:
     """Train as ``config`` says, on the process group from the environment."""
-    ctx = runtime.init(timeout_s=config.timeout)
+    ctx = runtime.init("nccl" if config.device == "cuda" else "gloo", timeout_s=config.timeout)
     torch.set_num_threads(config.threads)
     splits = build_dataset(config.dataset, config.data_dir,
                            synthetic_shape=config.synthetic_dims(), seed=config.seed)
@@ -181,7 +185,7 @@ def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, sp
             seen, right = seen + len(y), right + correct
             shown = {"test_acc": f"{accuracy:.3f}"} if accuracy is not None else {"train_acc": f"{right / seen:.3f}"}
             bar.set_postfix(loss=f"{loss:.3f}", **shown, samples_s=f"{samples_per_s:.0f}",
-                            sent=f"{bytes_sent / 1e6:.1f}MB", refresh=False)
+                            rank0_sent=f"{bytes_sent / 1e6:.1f}MB", refresh=False)
             bar.update()
             if step >= total_steps or _reached(config, accuracy):
                 break
@@ -196,7 +200,8 @@ def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, sp
     accuracy, test_loss = layout.evaluate(splits.test, ctx.device)
     metrics.write("eval", step=step, time=wall, test_accuracy=accuracy, test_loss=test_loss)
     bar.close()
-    return RunSummary(step, wall, accuracy, test_loss, _mean_over_ranks(bytes_sent), str(run_dir))
+    return RunSummary(step, wall, accuracy, test_loss, _mean_over_ranks(bytes_sent), str(run_dir),
+                      bytes_sent_rank0=bytes_sent if ctx.rank == 0 else None)
 
 
 def _reached(config: TrainConfig, accuracy: float | None) -> bool:
