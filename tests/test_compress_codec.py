@@ -99,15 +99,15 @@ def _resealed(body: bytes) -> torch.Tensor:
 def test_well_sealed_but_inconsistent_payloads_are_rejected():
     layout = BlockLayout([(3, 2)])
     body = bytes(encode(torch.arange(6.0), layout, [torch.tensor([1])]).numpy())[:-4]
-    with pytest.raises(CodecError, match="version 2"):
-        decode(_resealed(body[:4] + b"\x02" + body[5:]))
+    with pytest.raises(CodecError, match="version 3"):
+        decode(_resealed(body[:4] + b"\x03" + body[5:]))
     with pytest.raises(CodecError, match="magic"):
         decode(_resealed(b"XXXX" + body[4:]))
     with pytest.raises(CodecError, match="dtype code"):
         decode(_resealed(body[:5] + b"\x09" + body[6:]))
     with pytest.raises(CodecError, match="value bytes"):
         decode(_resealed(body[:-4]))                        # one value short
-    runs_at = 4 + 1 + 1 + 2 + 1 + 2 * 4 + 4                 # header, ndim, shape, run count
+    runs_at = 4 + 1 + 1 + 2 + 4 + 1 + 2 * 4 + 4                 # header, ndim, shape, run count
     with pytest.raises(CodecError, match="runs cover"):
         decode(_resealed(body[:runs_at] + struct.pack("<II", 3, 1) + body[runs_at + 8:]))
     with pytest.raises(CodecError, match="expected"):

@@ -79,7 +79,19 @@ class TrainConfig:
     block_selection: str = _opt("local", "blocktopk: local (each rank its own blocks, all-gathered) or "
                                 "global (scores summed, the same blocks on every rank, all-reduced)")
     element_fraction: float = _opt(0.01, "topk, randomk: fraction of each layer's elements sent, in (0, 1]")
-    warmup_steps: int = _opt(0, "exchange the first N steps uncompressed before compressing")
+    warmup_steps: int = _opt(0, "warm-up: blocktopk --block-fraction, topk and randomk send 25%% of each layer at "
+                             "step 0, decaying exponentially to their own share at step N; others send the "
+                             "first N steps uncompressed")
+    # Sparse compression that converges (DGC's fixes)
+    block_size: int = _opt(256, "blocktopk: elements per block (exactly: the largest divisor of a parameter's "
+                           "size not above N), so small and large layers are cut alike", section="compress")
+    momentum_correction: bool = _opt(True, "blocktopk, topk, randomk with sgd and --momentum > 0: accumulate "
+                                     "the velocity on each worker and compress that (error feedback on the "
+                                     "velocity), applying the average without the optimizer's momentum",
+                                     section="compress")
+    clip_norm: float | None = _opt(None, "with momentum correction: clip each layer's local gradient to this L2 "
+                                   "norm / sqrt(workers) before accumulating it (default: no clipping)",
+                                   section="compress")
     parallel: str = _opt("data", "parallel layout: data, or hybrid (conv layers data-parallel on "
                          "--conv-workers, the FC head on --fc-workers)")
     conv_workers: int | None = _opt(None, "hybrid: I, the ranks 0..I-1 that train the conv layers")
@@ -185,6 +197,9 @@ class TrainConfig:
         _one_of("block_selection", self.block_selection, SELECTIONS)
         _fraction("element_fraction", self.element_fraction)
         _at_least("warmup_steps", self.warmup_steps, 0)
+        _at_least("block_size", self.block_size, 1)
+        if self.clip_norm is not None:
+            _positive("clip_norm", self.clip_norm)
 
 
     def _validate_ps(self) -> None:
