@@ -11,8 +11,10 @@ residuals piled up behind the 1% of blocks sent).
 Here each worker keeps the momentum itself: ``u = m u + g`` (the velocity) and
 ``v = v + u`` (what it owes), compresses ``v``, and the exchanged average is
 applied as a plain SGD step, without the optimizer's own momentum. Where a
-value was sent, both ``u`` and ``v`` are zeroed (momentum factor masking),
-so a stale velocity does not keep pushing a coordinate that was just updated.
+value that had waited was sent, both ``u`` and ``v`` are zeroed (momentum
+factor masking), so a stale velocity does not keep pushing a coordinate that
+was just updated; values sent every step keep their velocity, so sending
+everything is exactly momentum SGD.
 The local gradient is clipped before it enters ``u``.
 """
 from __future__ import annotations
@@ -63,7 +65,7 @@ class MomentumCorrection(Memory):
                    params: torch.Tensor | None = None) -> torch.Tensor:
         gradient = self._clipped(tensor)
         if self.weight_decay and params is not None:
-            gradient = gradient + self.weight_decay * params
+            gradient = gradient.add(params, alpha=self.weight_decay)   # as torch's SGD adds it
         velocity = self.velocities.get(name)
         velocity = gradient.clone() if velocity is None else velocity.mul_(self.momentum).add_(gradient)
         self.velocities[name] = velocity
@@ -71,8 +73,13 @@ class MomentumCorrection(Memory):
         return velocity.clone() if residual is None else residual + velocity
 
     def update(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> None:
+        delayed = self.residuals.get(name)
+        if delayed is not None:
+            # Mask only values that waited: a value sent every step carries no
+            # stale momentum, and keeping its velocity makes density 1.0 exactly
+            # momentum SGD.
+            self.velocities[name].masked_fill_((sent != 0) & (delayed != 0), 0.0)
         self.residuals[name] = compensated - sent
-        self.velocities[name].masked_fill_(sent != 0, 0.0)
 
     def _clipped(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.local_clip is None:
