@@ -17,6 +17,8 @@ from convoy.utils.toml import read_toml
 
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "rmsprop", "adagrad")
 LR_SCHEDULE_NAMES = ("constant", "cosine")
+# Steps of the density ramp a sparse compressor warms up with unless told otherwise.
+SPARSE_WARMUP_STEPS = 50
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -79,9 +81,10 @@ class TrainConfig:
     block_selection: str = _opt("local", "blocktopk: local (each rank its own blocks, all-gathered) or "
                                 "global (scores summed, the same blocks on every rank, all-reduced)")
     element_fraction: float = _opt(0.01, "topk, randomk: fraction of each layer's elements sent, in (0, 1]")
-    warmup_steps: int = _opt(0, "warm-up: blocktopk --block-fraction, topk and randomk send 25%% of each layer at "
-                             "step 0, decaying exponentially to their own share at step N; others send the "
-                             "first N steps uncompressed")
+    warmup_steps: int | None = _opt(None, "warm-up: blocktopk --block-fraction, topk and randomk send 25%% of "
+                                    "each layer at step 0, decaying exponentially to their own share at step "
+                                    "N; other compressors send the first N steps uncompressed (default: "
+                                    f"{SPARSE_WARMUP_STEPS} for the former, 0 otherwise)")
     # Sparse compression that converges (DGC's fixes)
     block_size: int = _opt(256, "blocktopk: elements per block (exactly: the largest divisor of a parameter's "
                            "size not above N), so small and large layers are cut alike", section="compress")
@@ -115,6 +118,13 @@ class TrainConfig:
         if self.steps is not None:
             return self.steps
         return (self.epochs or 40) * steps_per_epoch
+
+    def warmup(self) -> int:
+        """``--warmup-steps``, or its default: a density ramp for a compressor that sends a share."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        ramps = self.compress in ("topk", "randomk") or (self.compress == "blocktopk" and self.block_fraction)
+        return SPARSE_WARMUP_STEPS if ramps else 0
 
     def synthetic_dims(self) -> tuple[int, int, int]:
         try:
@@ -196,7 +206,8 @@ class TrainConfig:
         _one_of("block_metric", self.block_metric, METRICS)
         _one_of("block_selection", self.block_selection, SELECTIONS)
         _fraction("element_fraction", self.element_fraction)
-        _at_least("warmup_steps", self.warmup_steps, 0)
+        if self.warmup_steps is not None:
+            _at_least("warmup_steps", self.warmup_steps, 0)
         _at_least("block_size", self.block_size, 1)
         if self.clip_norm is not None:
             _positive("clip_norm", self.clip_norm)

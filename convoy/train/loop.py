@@ -127,7 +127,7 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
         if config.sync == "hierarchical":
             sync: SyncStrategy = build_hierarchical(config, ctx, compressor, memory, total_steps)
         else:
-            sync = AllReduce(group, compressor, memory, config.warmup_steps)
+            sync = AllReduce(group, compressor, memory, config.warmup())
         return Engine(part, optimizer_class, sync, listeners=sync.listeners(),
                       lr_lambda=lr_lambda(config.lr_schedule, total_steps), **hyper)
 
