@@ -18,7 +18,7 @@ from convoy.utils.toml import read_toml
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "rmsprop", "adagrad")
 LR_SCHEDULE_NAMES = ("constant", "cosine")
 # Steps of the density ramp a sparse compressor warms up with unless told otherwise.
-SPARSE_WARMUP_STEPS = 50
+SPARSE_WARMUP_STEPS = 100
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -86,15 +86,14 @@ class TrainConfig:
                                     "N; other compressors send the first N steps uncompressed (default: "
                                     f"{SPARSE_WARMUP_STEPS} for the former, 0 otherwise)")
     # Sparse compression that converges (DGC's fixes)
-    block_size: int = _opt(256, "blocktopk: elements per block (exactly: the largest divisor of a parameter's "
+    block_size: int = _opt(16, "blocktopk: elements per block (exactly: the largest divisor of a parameter's "
                            "size not above N), so small and large layers are cut alike", section="compress")
     momentum_correction: bool = _opt(True, "blocktopk, topk, randomk with sgd and --momentum > 0: accumulate "
                                      "the velocity on each worker and compress that (error feedback on the "
                                      "velocity), applying the average without the optimizer's momentum",
                                      section="compress")
-    clip_norm: float | None = _opt(None, "with momentum correction: clip each layer's local gradient to this L2 "
-                                   "norm / sqrt(workers) before accumulating it (default: no clipping)",
-                                   section="compress")
+    clip_norm: float = _opt(5.0, "with momentum correction: clip each layer's local gradient to this L2 "
+                            "norm / sqrt(workers) before accumulating it", section="compress")
     parallel: str = _opt("data", "parallel layout: data, or hybrid (conv layers data-parallel on "
                          "--conv-workers, the FC head on --fc-workers)")
     conv_workers: int | None = _opt(None, "hybrid: I, the ranks 0..I-1 that train the conv layers")
@@ -209,8 +208,7 @@ class TrainConfig:
         if self.warmup_steps is not None:
             _at_least("warmup_steps", self.warmup_steps, 0)
         _at_least("block_size", self.block_size, 1)
-        if self.clip_norm is not None:
-            _positive("clip_norm", self.clip_norm)
+        _positive("clip_norm", self.clip_norm)
 
 
     def _validate_ps(self) -> None:
