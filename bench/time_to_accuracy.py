@@ -51,7 +51,9 @@ def run_strategy(name: str, args: argparse.Namespace, out: Path) -> dict:
     common = ["--model", args.model, "--lr", str(args.lr), "--batch-size", str(args.batch_size),
               "--steps", str(args.steps), "--eval-every", str(args.eval_every),
               "--stop-at-accuracy", str(args.target), "--out", str(out)]
-    own = ["--no-progress", "--warmup-steps", str(args.warmup_steps)] if STRATEGIES[name][0] == "train" else []
+    own = ["--no-progress"] if STRATEGIES[name][0] == "train" else []
+    if own and args.warmup_steps is not None:
+        own += ["--warmup-steps", str(args.warmup_steps)]
     command = STRATEGIES[name] + common + own
     result = subprocess.run(_launcher(command, args.hosts, args.rate), capture_output=True, text=True)
     if result.returncode != 0:
@@ -61,8 +63,9 @@ def run_strategy(name: str, args: argparse.Namespace, out: Path) -> dict:
     return {"strategy": name, "time_to_target_s": hit["time"] if hit else None,
             "steps_to_target": hit["step"] if hit else None,
             "final_accuracy": evals[-1]["test_accuracy"],
-            # convoy's compressors send their warm-up steps dense: the steady step comes after.
-            **step_figures(out, skip=1 + (args.warmup_steps if own else 0)),
+            # Steps of a given warm-up are left out of the steady step; a sparse
+            # compressor's default ramp is counted (its bytes are part of the run).
+            **step_figures(out, skip=1 + (args.warmup_steps or 0 if own else 0)),
             "curve": [(e["time"], e["test_accuracy"]) for e in evals]}
 
 
@@ -135,8 +138,8 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.97)
     parser.add_argument("--also-target", type=float, default=0.95,
                         help="also report the time to this accuracy (from the same runs' curves)")
-    parser.add_argument("--warmup-steps", type=int, default=0, help="convoy's compressors send the first N "
-                        "steps dense")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="convoy's compressors warm up over "
+                        "the first N steps (default: convoy train's own default)")
     parser.add_argument("--tag", help="suffix of the result files' names, to keep several runs apart")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     args = parser.parse_args()

@@ -19,7 +19,7 @@ shapes_st = st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tup
 @st.composite
 def sparse_layers(draw):
     """A layout, a gradient, and kept blocks per segment at a drawn density (0, random, or 1)."""
-    layout = BlockLayout(draw(shapes_st))
+    layout = BlockLayout(draw(shapes_st), draw(st.sampled_from([None, 1, 3, 16])))   # rows, or blocks of N
     dtype = draw(st.sampled_from(DTYPES))
     flat = torch.randn(layout.numel, generator=torch.Generator().manual_seed(draw(st.integers(0, 99)))).to(dtype)
     density = draw(st.sampled_from(["none", "random", "all", "one"]))
@@ -47,7 +47,7 @@ def test_round_trip(case):
     layout, flat, kept = case
     payload = encode(flat, layout, kept)
     assert payload.numel() <= max_encoded_bytes(layout, [k.numel() for k in kept], flat.dtype)
-    decoded = decode(payload, layout.shapes)
+    decoded = decode(payload, layout.shapes, layout.block_size)
     assert decoded.dtype == flat.dtype
     assert torch.equal(decoded, _expected(layout, flat, kept))
 
@@ -58,7 +58,8 @@ def test_decode_add_equals_adding_the_decoded_tensor(case):
     layout, flat, kept = case
     payload = encode(flat, layout, kept)
     base = torch.randn(layout.numel).to(flat.dtype)
-    assert torch.equal(decode_add(payload, base.clone(), layout.shapes), base + decode(payload, layout.shapes))
+    assert torch.equal(decode_add(payload, base.clone(), layout.shapes, layout.block_size),
+                       base + decode(payload, layout.shapes, layout.block_size))
 
 
 def test_named_cases_empty_all_zero_all_kept_one_block():
@@ -83,7 +84,7 @@ def test_truncated_and_bit_flipped_payloads_are_rejected(case, data):
     payload = encode(flat, layout, kept)
     cut = data.draw(st.integers(0, payload.numel() - 1))
     with pytest.raises(CodecError):
-        decode(payload[:cut].clone(), layout.shapes)
+        decode(payload[:cut].clone(), layout.shapes, layout.block_size)
     flipped = payload.clone()
     position = data.draw(st.integers(0, payload.numel() - 1))
     flipped[position] ^= 1 << data.draw(st.integers(0, 7))
@@ -99,18 +100,26 @@ def _resealed(body: bytes) -> torch.Tensor:
 def test_well_sealed_but_inconsistent_payloads_are_rejected():
     layout = BlockLayout([(3, 2)])
     body = bytes(encode(torch.arange(6.0), layout, [torch.tensor([1])]).numpy())[:-4]
-    with pytest.raises(CodecError, match="version 2"):
-        decode(_resealed(body[:4] + b"\x02" + body[5:]))
+    with pytest.raises(CodecError, match="version 3"):
+        decode(_resealed(body[:4] + b"\x03" + body[5:]))
     with pytest.raises(CodecError, match="magic"):
         decode(_resealed(b"XXXX" + body[4:]))
     with pytest.raises(CodecError, match="dtype code"):
         decode(_resealed(body[:5] + b"\x09" + body[6:]))
     with pytest.raises(CodecError, match="value bytes"):
         decode(_resealed(body[:-4]))                        # one value short
-    runs_at = 4 + 1 + 1 + 2 + 1 + 2 * 4 + 4                 # header, ndim, shape, run count
+    runs_at = 4 + 1 + 1 + 2 + 4 + 1 + 2 * 4 + 4                 # header, ndim, shape, run count
     with pytest.raises(CodecError, match="runs cover"):
         decode(_resealed(body[:runs_at] + struct.pack("<II", 3, 1) + body[runs_at + 8:]))
     with pytest.raises(CodecError, match="expected"):
         decode(encode(torch.arange(6.0), layout, [torch.tensor([1])]), [(2, 3)])
     with pytest.raises(CodecError, match="uint8"):
         decode(torch.zeros(4))
+
+
+def test_a_payload_cut_in_other_blocks_is_rejected():
+    layout = BlockLayout([(4, 8)], block_size=16)
+    payload = encode(torch.arange(32.0), layout, [torch.tensor([1])])
+    assert torch.equal(decode(payload, [(4, 8)], 16)[16:], torch.arange(16.0, 32.0))
+    with pytest.raises(CodecError, match="blocks of 16, expected 0"):
+        decode(payload, [(4, 8)])

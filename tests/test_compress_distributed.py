@@ -124,5 +124,6 @@ def test_train_records_the_compression_ratio_of_every_step(tmp_path):
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (out / "metrics-rank0.jsonl").read_text().splitlines()]
     ratios = [r["compression_ratio"] for r in records if r["kind"] == "step"]
-    assert len(ratios) == 6 and ratios[:2] == [1.0, 1.0] and min(ratios[2:]) > 10
+    # The warm-up ramps density down from 25%: no dense step, and fewer bytes each step until its end.
+    assert len(ratios) == 6 and 1.0 < ratios[0] < ratios[1] < min(ratios[2:]) and min(ratios[2:]) > 10
     assert json.loads((out / "config.json").read_text())["block_metric"] == "l2"

@@ -6,22 +6,25 @@ from convoy.compress.blocktopk import SELECTIONS, BlockTopKCompressor
 from convoy.compress.blocks import METRICS, BlockLayout
 from convoy.compress.fp16 import FP16Compressor
 from convoy.compress.identity import IdentityCompressor
+from convoy.compress.momentum import MomentumCorrection
 from convoy.compress.randomk import RandomKCompressor
 from convoy.compress.rle import CodecError
 from convoy.compress.topk import TopKCompressor
 from convoy.errors import UsageError
 
 COMPRESS_NAMES = ("none", "fp16", "blocktopk", "topk", "randomk")
+# The compressors that send a share of each layer (momentum correction applies to them).
+SPARSE_NAMES = ("blocktopk", "topk", "randomk")
 
 
 def build_compressor(name: str, *, blocks_per_layer: int | None = None, block_fraction: float | None = None,
-                     block_metric: str = "l1", block_selection: str = "local",
+                     block_metric: str = "l1", block_selection: str = "local", block_size: int | None = None,
                      element_fraction: float = 0.01) -> tuple[Compressor, Memory]:
     """Return the compressor called ``name`` and the error-feedback memory it uses.
 
     Args:
         name: one of ``COMPRESS_NAMES``.
-        blocks_per_layer, block_fraction, block_metric, block_selection: blocktopk's
+        blocks_per_layer, block_fraction, block_metric, block_selection, block_size: blocktopk's
             settings (see :class:`BlockTopKCompressor`); the others ignore them.
         element_fraction: share of elements that topk and randomk send.
 
@@ -34,7 +37,8 @@ def build_compressor(name: str, *, blocks_per_layer: int | None = None, block_fr
     if name == "fp16":
         return FP16Compressor(), ResidualMemory()
     if name == "blocktopk":
-        return BlockTopKCompressor(blocks_per_layer, block_fraction, block_metric, block_selection), ResidualMemory()
+        return (BlockTopKCompressor(blocks_per_layer, block_fraction, block_metric, block_selection, block_size),
+                ResidualMemory())
     if name == "topk":
         return TopKCompressor(element_fraction), ResidualMemory()
     if name == "randomk":
@@ -42,6 +46,7 @@ def build_compressor(name: str, *, blocks_per_layer: int | None = None, block_fr
     raise UsageError(f"unknown compressor {name!r}; choose one of: {', '.join(COMPRESS_NAMES)}")
 
 
-__all__ = ["COMPRESS_NAMES", "METRICS", "SELECTIONS", "BlockLayout", "BlockTopKCompressor", "CodecError",
-           "Compressor", "FP16Compressor", "IdentityCompressor", "LayerInfo", "Memory", "NoMemory",
+__all__ = ["COMPRESS_NAMES", "METRICS", "SELECTIONS", "SPARSE_NAMES", "BlockLayout", "BlockTopKCompressor",
+           "CodecError", "Compressor", "FP16Compressor", "IdentityCompressor", "LayerInfo", "Memory",
+           "MomentumCorrection", "NoMemory",
            "RandomKCompressor", "ResidualMemory", "TopKCompressor", "build_compressor"]

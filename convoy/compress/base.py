@@ -26,6 +26,8 @@ class LayerInfo:
             every rank (global block selection). The default is a world of one.
         step: the training step being exchanged, the same on every rank
             (seeds random selections so they agree across ranks and resumes).
+        density: send at least this fraction of the layer this time (the
+            warm-up's ramp); sparse compressors honour it, others ignore it.
 
     Example::
 
@@ -35,6 +37,7 @@ class LayerInfo:
     shapes: tuple[torch.Size, ...] = ()
     agree: Callable[[torch.Tensor], torch.Tensor] = field(default=_no_peers, compare=False)
     step: int | None = None
+    density: float | None = None
 
 
 class Compressor(ABC):
@@ -46,6 +49,9 @@ class Compressor(ABC):
     """
 
     summable: bool = True
+    # The share of a layer a sparse compressor sends (None: dense, or a fixed count);
+    # a warm-up ramps the density down to it.
+    density: float | None = None
 
     @abstractmethod
     def compress(self, tensor: torch.Tensor, name: str,
@@ -81,9 +87,16 @@ class Compressor(ABC):
 class Memory(ABC):
     """What a compressor could not send, kept for the next step (error feedback)."""
 
+    # Whether compensate wants the layer's flat parameters (to add weight decay).
+    needs_params: bool = False
+
     @abstractmethod
-    def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        """Add what earlier steps left unsent to this step's gradient."""
+    def compensate(self, tensor: torch.Tensor, name: str,
+                   params: torch.Tensor | None = None) -> torch.Tensor:
+        """Add what earlier steps left unsent to this step's gradient.
+
+        ``params`` are the layer's flat parameters, given when ``needs_params``.
+        """
 
     @abstractmethod
     def update(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> None:
@@ -96,7 +109,8 @@ class Memory(ABC):
 class NoMemory(Memory):
     """Drop whatever was not sent."""
 
-    def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+    def compensate(self, tensor: torch.Tensor, name: str,
+                   params: torch.Tensor | None = None) -> torch.Tensor:
         return tensor
 
     def update(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> None:
@@ -113,7 +127,8 @@ class ResidualMemory(Memory):
     def __init__(self) -> None:
         self.residuals: dict[str, torch.Tensor] = {}
 
-    def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+    def compensate(self, tensor: torch.Tensor, name: str,
+                   params: torch.Tensor | None = None) -> torch.Tensor:
         residual = self.residuals.get(name)
         return tensor if residual is None else tensor + residual
 

@@ -1,7 +1,11 @@
 """Gradient blocks of contiguous memory (seed 002): cutting, scoring and choosing them.
 
-A flat layer gradient is the concatenation of its parameters' gradients. Each
-parameter is cut along its first dimension:
+A flat layer gradient is the concatenation of its parameters' gradients. With a
+block size ``N`` each parameter is cut into blocks of ``N`` elements (exactly:
+of the largest divisor of its size that is at most ``N``, which for the usual
+shapes is ``N`` itself), so a small and a large layer are cut alike and a
+fraction of blocks is about the same fraction of elements. Without one (the
+seed's cut, ``block_size=None``) each parameter is cut along its first dimension:
 
 * a conv weight ``(F, C, kh, kw)``: ``F`` blocks, one filter (``C*kh*kw`` values) each;
 * a linear weight ``(out, in)``: ``out`` blocks, one output neuron's row each;
@@ -47,20 +51,45 @@ class Segment:
         return flat[self.offset:self.offset + self.numel].view(self.blocks, self.block_size)
 
 
-def cut(shape: Sequence[int]) -> tuple[int, int]:
+def cut(shape: Sequence[int], block_size: int | None = None) -> tuple[int, int]:
     """``(blocks, block_size)`` of a parameter of ``shape``, by the rules of the module doc.
+
+    Args:
+        shape: the parameter's shape.
+        block_size: elements per block (at most); ``None`` cuts along the first dimension.
 
     Example::
 
         >>> cut((64, 3, 3, 3)), cut((10, 84)), cut((10,)), cut(())
         ((64, 27), (10, 84), (10, 1), (1, 1))
+        >>> cut((64, 3, 3, 3), 256), cut((10,), 256), cut((7, 11), 8)
+        ((8, 216), (1, 10), (11, 7))
     """
     numel = math.prod(shape)
     if numel == 0:
         return 0, 1
+    if block_size is not None:
+        size = largest_divisor(numel, block_size)
+        return numel // size, size
     if len(shape) < 2:
         return numel, 1
     return shape[0], numel // shape[0]
+
+
+def largest_divisor(numel: int, at_most: int) -> int:
+    """The largest divisor of ``numel`` that is at most ``at_most`` (blocks then tile it exactly).
+
+    Example::
+
+        >>> largest_divisor(1728, 256), largest_divisor(10, 256), largest_divisor(13, 4)
+        (216, 10, 1)
+    """
+    if at_most < 1:
+        raise ValueError(f"block size must be >= 1, got {at_most}")
+    if numel <= at_most:
+        return numel
+    small = next(d for d in range(math.ceil(numel / at_most), numel + 1) if numel % d == 0)
+    return numel // small
 
 
 # Elements per abs() pass in row_l1: small enough to stay in cache.
@@ -98,21 +127,25 @@ class BlockLayout:
 
     Args:
         shapes: the parameters' shapes, in the order they are concatenated.
+        block_size: elements per block (see :func:`cut`); ``None``: rows.
 
     Example::
 
         >>> layout = BlockLayout([(6, 1, 5, 5), (6,)])
         >>> layout.total_blocks, layout.numel
         (12, 156)
+        >>> BlockLayout([(6, 1, 5, 5), (6,)], block_size=64).total_blocks
+        4
     """
 
-    def __init__(self, shapes: Sequence[Sequence[int]]):
+    def __init__(self, shapes: Sequence[Sequence[int]], block_size: int | None = None):
+        self.block_size = block_size
         segments, offset = [], 0
         for shape in shapes:
             shape = tuple(int(d) for d in shape)
             if any(d < 0 for d in shape):
                 raise ValueError(f"negative dimension in shape {shape}")
-            blocks, size = cut(shape)
+            blocks, size = cut(shape, block_size)
             segments.append(Segment(shape, offset, blocks, size))
             offset += blocks * size
         self.segments: tuple[Segment, ...] = tuple(segments)
@@ -138,16 +171,17 @@ class BlockLayout:
         return torch.cat(parts) if parts else flat.new_zeros(0)
 
     def select(self, scores: torch.Tensor, count: int | None = None,
-               fraction: float | None = None) -> list[torch.Tensor]:
+               fraction: float | None = None, density: float | None = None) -> list[torch.Tensor]:
         """The highest-scoring blocks of each segment, as sorted block indices.
 
         Args:
             scores: from :meth:`scores` (possibly summed over ranks).
             count: blocks kept per segment (capped at the segment's blocks).
             fraction: or this fraction of each segment's blocks, rounded, at least one.
+            density: keep at least this fraction of each segment's blocks (a warm-up's ramp).
         """
         kept, start = [], 0
-        for s, k in zip(self.segments, self.kept_counts(count, fraction)):
+        for s, k in zip(self.segments, self.kept_counts(count, fraction, density)):
             mine = scores[start:start + s.blocks]
             start += s.blocks
             if k >= s.blocks:
@@ -156,11 +190,14 @@ class BlockLayout:
                 kept.append(torch.topk(mine, k, sorted=False).indices.sort().values)
         return kept
 
-    def kept_counts(self, count: int | None = None, fraction: float | None = None) -> list[int]:
-        """Blocks :meth:`select` keeps of each segment for ``count`` or ``fraction``."""
+    def kept_counts(self, count: int | None = None, fraction: float | None = None,
+                    density: float | None = None) -> list[int]:
+        """Blocks :meth:`select` keeps of each segment for ``count`` or ``fraction`` (and ``density``)."""
         if (count is None) == (fraction is None):
             raise ValueError("give count or fraction, not both")
-        return [min(s.blocks, count if count is not None else max(1, round(fraction * s.blocks)))
+        floor = density or 0.0
+        return [min(s.blocks, max(count if count is not None else max(1, round(fraction * s.blocks)),
+                                  round(floor * s.blocks)))
                 for s in self.segments]
 
     def gather(self, flat: torch.Tensor, kept: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -15,7 +15,9 @@ SELECTIONS = ("local", "global")
 class BlockTopKCompressor(Compressor):
     """Keep the k blocks of largest L1 (or L2) norm of every parameter, zero the rest.
 
-    Blocks are filters, rows and bias elements (:mod:`convoy.compress.blocks`).
+    Blocks are runs of ``block_size`` contiguous elements of a parameter, or,
+    without a block size, its filters, rows and bias elements
+    (:mod:`convoy.compress.blocks`).
     With ``selection="local"`` (the seed) each rank picks its own blocks and
     sends them run-length coded (:mod:`convoy.compress.rle`); payloads differ
     between ranks, so they are gathered, not summed. With ``"global"`` the
@@ -30,6 +32,8 @@ class BlockTopKCompressor(Compressor):
             at least one; exclusive with ``blocks_per_layer``.
         metric: ``"l1"`` or ``"l2"``, the norm that scores a block.
         selection: ``"local"`` or ``"global"``.
+        block_size: elements per block; ``None`` cuts parameters along their
+            first dimension (the seed's rows and filters).
 
     Example::
 
@@ -39,7 +43,7 @@ class BlockTopKCompressor(Compressor):
     """
 
     def __init__(self, blocks_per_layer: int | None = None, fraction: float | None = None,
-                 metric: str = "l1", selection: str = "local"):
+                 metric: str = "l1", selection: str = "local", block_size: int | None = None):
         if blocks_per_layer is not None and fraction is not None:
             raise ValueError("give blocks_per_layer or fraction, not both")
         if blocks_per_layer is None and fraction is None:
@@ -52,7 +56,10 @@ class BlockTopKCompressor(Compressor):
             raise ValueError(f"unknown block metric {metric!r}; choose one of: {', '.join(METRICS)}")
         if selection not in SELECTIONS:
             raise ValueError(f"unknown block selection {selection!r}; choose one of: {', '.join(SELECTIONS)}")
-        self.blocks_per_layer, self.fraction = blocks_per_layer, fraction
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.blocks_per_layer, self.fraction, self.block_size = blocks_per_layer, fraction, block_size
+        self.density = fraction
         self.metric, self.selection = metric, selection
         # Globally chosen blocks are the same on every rank: their values add up.
         self.summable = selection == "global"
@@ -63,7 +70,7 @@ class BlockTopKCompressor(Compressor):
         shapes = tuple(tuple(s) for s in info.shapes) if info and info.shapes else ((tensor.numel(),),)
         layout = self._layouts.get(shapes)
         if layout is None:
-            layout = self._layouts[shapes] = BlockLayout(shapes)
+            layout = self._layouts[shapes] = BlockLayout(shapes, self.block_size)
         if layout.numel != tensor.numel():
             raise ValueError(f"shapes {shapes} hold {layout.numel} values, the gradient {tensor.numel()}")
         return layout
@@ -74,25 +81,26 @@ class BlockTopKCompressor(Compressor):
         scores = layout.scores(tensor, self.metric)
         if self.selection == "global":
             scores = (info or LayerInfo()).agree(scores)
-        kept = layout.select(scores, self.blocks_per_layer, self.fraction)
+        density = info.density if info else None
+        kept = layout.select(scores, self.blocks_per_layer, self.fraction, density)
         if self.selection == "global":
             return [layout.gather(tensor, kept)], (layout, kept)
-        return [rle.encode(tensor, layout, kept)], (layout, tensor.dtype)
+        return [rle.encode(tensor, layout, kept)], (layout, tensor.dtype, density)
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         if self.selection == "global":
             layout, kept = ctx
             return layout.scatter(payload[0], kept)
-        return rle.decode(payload[0], expected_shapes=ctx[0].shapes)
+        return rle.decode(payload[0], ctx[0].shapes, self.block_size)
 
     def decompress_add(self, payload: Payload, ctx: Any, out: torch.Tensor) -> torch.Tensor:
         if self.selection == "global":
             layout, kept = ctx
             return layout.scatter_add(payload[0], kept, out)
-        return rle.decode_add(payload[0], out, expected_shapes=ctx[0].shapes)
+        return rle.decode_add(payload[0], out, ctx[0].shapes, self.block_size)
 
     def max_payload_bytes(self, ctx: Any) -> int | None:
         if self.selection == "global":
             return None
-        layout, dtype = ctx
-        return rle.max_encoded_bytes(layout, layout.kept_counts(self.blocks_per_layer, self.fraction), dtype)
+        layout, dtype, density = ctx
+        return rle.max_encoded_bytes(layout, layout.kept_counts(self.blocks_per_layer, self.fraction, density), dtype)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from convoy.compress.base import Compressor, LayerInfo, Payload
-from convoy.compress.topk import kept_count
+from convoy.compress.topk import kept_count, ramped
 
 
 class RandomKCompressor(Compressor):
@@ -33,6 +33,7 @@ class RandomKCompressor(Compressor):
     def __init__(self, fraction: float = 0.01, seed: int = 0):
         kept_count(1, fraction)
         self.fraction, self.seed = fraction, seed
+        self.density = fraction
         self._calls: dict[str, int] = {}
 
     def compress(self, tensor: torch.Tensor, name: str,
@@ -42,7 +43,7 @@ class RandomKCompressor(Compressor):
         self._calls[name] = call + 1
         # crc32, not hash(): Python salts str hashes per process.
         generator = torch.Generator().manual_seed((zlib.crc32(name.encode()) << 20) ^ (self.seed << 40) ^ call)
-        indices = torch.randperm(flat.numel(), generator=generator)[:kept_count(flat.numel(), self.fraction)]
+        indices = torch.randperm(flat.numel(), generator=generator)[:kept_count(flat.numel(), ramped(self.fraction, info))]
         return [flat[indices]], (indices, flat.numel())
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:

@@ -3,9 +3,10 @@
 Layout (little-endian)::
 
     magic  b"CVRL"         4 bytes
-    version                u8     (1)
+    version                u8     (2)
     dtype code             u8     (see _DTYPES)
     segments               u16
+    block size             u32    (0: each parameter cut along its first dimension)
     for each segment:
         ndim               u8
         shape              ndim x u32
@@ -15,7 +16,7 @@ Layout (little-endian)::
     crc32                  u32 of every byte before it
 
 A segment is one parameter cut into blocks (:mod:`convoy.compress.blocks`), so
-the decoder rebuilds the block layout from the shapes alone. It rejects a
+the decoder rebuilds the block layout from the shapes and the block size alone. It rejects a
 payload whose magic, version, dtype, runs, length or checksum do not add up,
 and, when told which shapes to expect, one that describes other shapes: a
 truncated or corrupt payload raises :class:`CodecError`, never decodes.
@@ -32,8 +33,8 @@ import torch
 from convoy.compress.blocks import BlockLayout
 
 MAGIC = b"CVRL"
-VERSION = 1
-_HEAD = struct.Struct("<4sBBH")
+VERSION = 2
+_HEAD = struct.Struct("<4sBBHI")
 _U8, _U32 = struct.Struct("<B"), struct.Struct("<I")
 _DTYPES = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16, 4: torch.float64}
 _CODES = {dtype: code for code, dtype in _DTYPES.items()}
@@ -75,7 +76,7 @@ def encode(flat: torch.Tensor, layout: BlockLayout, kept: Sequence[torch.Tensor]
         raise ValueError(f"cannot encode {flat.dtype}; supported: {', '.join(map(str, _CODES))}")
     if len(layout.segments) > 0xFFFF:
         raise ValueError(f"at most 65535 segments, got {len(layout.segments)}")
-    head = [_HEAD.pack(MAGIC, VERSION, _CODES[flat.dtype], len(layout.segments))]
+    head = [_HEAD.pack(MAGIC, VERSION, _CODES[flat.dtype], len(layout.segments), layout.block_size or 0)]
     for segment, idx in zip(layout.segments, kept):
         pairs = runs(idx)
         head += [_U8.pack(len(segment.shape)), np.asarray(segment.shape, dtype="<u4").tobytes(),
@@ -116,34 +117,37 @@ class _Reader:
         return out
 
 
-def decode(payload: torch.Tensor, expected_shapes: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+def decode(payload: torch.Tensor, expected_shapes: Sequence[Sequence[int]] | None = None,
+           expected_block_size: int | None = None) -> torch.Tensor:
     """The dense flat tensor a payload from :func:`encode` describes.
 
     Args:
         payload: 1-D uint8 tensor, exactly one encoding.
         expected_shapes: if given, the parameter shapes the payload must describe.
+        expected_block_size: with ``expected_shapes``, the block size it must
+            use (``None``: rows).
 
     Raises:
         CodecError: the payload is truncated, corrupt, of an unknown version, or
-            describes other shapes than ``expected_shapes``.
+            describes other shapes or blocks than expected.
     """
-    layout, values, indices = _parse(payload, expected_shapes)
+    layout, values, indices = _parse(payload, expected_shapes, expected_block_size)
     return layout.scatter(values, indices)
 
 
-def decode_add(payload: torch.Tensor, out: torch.Tensor,
-               expected_shapes: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+def decode_add(payload: torch.Tensor, out: torch.Tensor, expected_shapes: Sequence[Sequence[int]] | None = None,
+               expected_block_size: int | None = None) -> torch.Tensor:
     """Add what :func:`decode` would return to ``out`` (flat, in place), touching only the kept blocks.
 
     Raises:
         CodecError: as :func:`decode`.
     """
-    layout, values, indices = _parse(payload, expected_shapes)
+    layout, values, indices = _parse(payload, expected_shapes, expected_block_size)
     return layout.scatter_add(values, indices, out)
 
 
-def _parse(payload: torch.Tensor, expected_shapes: Sequence[Sequence[int]] | None
-           ) -> tuple[BlockLayout, torch.Tensor, list[torch.Tensor]]:
+def _parse(payload: torch.Tensor, expected_shapes: Sequence[Sequence[int]] | None,
+           expected_block_size: int | None = None) -> tuple[BlockLayout, torch.Tensor, list[torch.Tensor]]:
     """``(layout, kept values, kept block indices per segment)`` of a checked payload."""
     if payload.dtype != torch.uint8 or payload.dim() != 1:
         raise CodecError(f"payload must be a 1-D uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}")
@@ -155,7 +159,7 @@ def _parse(payload: torch.Tensor, expected_shapes: Sequence[Sequence[int]] | Non
     if zlib.crc32(body) != crc:
         raise CodecError("payload checksum mismatch (corrupt or truncated)")
     reader = _Reader(body)
-    magic, version, code, count = reader.take(_HEAD)
+    magic, version, code, count, block_size = reader.take(_HEAD)
     if magic != MAGIC:
         raise CodecError(f"not a convoy run-length payload (magic {magic!r})")
     if version != VERSION:
@@ -170,7 +174,9 @@ def _parse(payload: torch.Tensor, expected_shapes: Sequence[Sequence[int]] | Non
         kept.append(reader.array(2 * n).reshape(n, 2))
     if expected_shapes is not None and [tuple(s) for s in expected_shapes] != shapes:
         raise CodecError(f"payload describes shapes {shapes}, expected {[tuple(s) for s in expected_shapes]}")
-    layout = BlockLayout(shapes)
+    if expected_shapes is not None and block_size != (expected_block_size or 0):
+        raise CodecError(f"payload cuts blocks of {block_size}, expected {expected_block_size or 0}")
+    layout = BlockLayout(shapes, block_size or None)
     indices = [_indices(pairs, segment.blocks) for pairs, segment in zip(kept, layout.segments)]
     dtype = _DTYPES[code]
     expected_bytes = sum(i.numel() * s.block_size for i, s in zip(indices, layout.segments)) * dtype.itemsize

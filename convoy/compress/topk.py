@@ -15,6 +15,11 @@ def kept_count(numel: int, fraction: float) -> int:
     return min(numel, max(1, round(fraction * numel)))
 
 
+def ramped(fraction: float, info: LayerInfo | None) -> float:
+    """``fraction``, or the warm-up's higher density when ``info`` carries one."""
+    return max(fraction, info.density) if info is not None and info.density is not None else fraction
+
+
 class TopKCompressor(Compressor):
     """Send the ``fraction`` of a layer's elements with the largest magnitude.
 
@@ -35,18 +40,18 @@ class TopKCompressor(Compressor):
 
     def __init__(self, fraction: float = 0.01):
         kept_count(1, fraction)
-        self.fraction = fraction
+        self.fraction = self.density = fraction
 
     def compress(self, tensor: torch.Tensor, name: str,
                  info: LayerInfo | None = None) -> tuple[Payload, Any]:
         flat = tensor.reshape(-1)
-        k = kept_count(flat.numel(), self.fraction)
-        indices = flat.abs().topk(k, sorted=False).indices
-        return [flat[indices], indices.to(torch.int32)], (flat.numel(), flat.dtype)
+        fraction = ramped(self.fraction, info)
+        indices = flat.abs().topk(kept_count(flat.numel(), fraction), sorted=False).indices
+        return [flat[indices], indices.to(torch.int32)], (flat.numel(), flat.dtype, fraction)
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         values, indices = payload
-        numel, dtype = ctx
+        numel, dtype, _ = ctx
         return torch.zeros(numel, dtype=dtype).index_put_((indices.long(),), values)
 
     def decompress_add(self, payload: Payload, ctx: Any, out: torch.Tensor) -> torch.Tensor:
@@ -54,5 +59,5 @@ class TopKCompressor(Compressor):
         return out.index_add_(0, indices.long(), values)
 
     def max_payload_bytes(self, ctx: Any) -> int | None:
-        numel, dtype = ctx
-        return kept_count(numel, self.fraction) * (dtype.itemsize + 4)  # values and int32 indices
+        numel, dtype, fraction = ctx
+        return kept_count(numel, fraction) * (dtype.itemsize + 4)  # values and int32 indices

@@ -12,6 +12,10 @@ from convoy.sync.base import Done, PendingSync, SyncStrategy
 from convoy.sync.rows import pack_row, row_extent, sum_rows
 
 
+# A warm-up's first step sends this share of every layer (DGC's 25%).
+WARMUP_START_DENSITY = 0.25
+
+
 def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
     """Bytes each worker sends (and receives) in a ring all-reduce of ``nbytes``.
 
@@ -52,8 +56,10 @@ class AllReduce(SyncStrategy):
             with the training loop's.
         compressor: how a layer's gradient is put on the wire.
         memory: error-feedback memory for what the compressor loses.
-        warmup_steps: exchange the first this many steps uncompressed (dense),
-            since sparse training from step 0 costs accuracy (DGC's warm-up).
+        warmup_steps: ramp a sparse compressor's density down over the first
+            this many steps, exponentially from 25% to its own (DGC's warm-up);
+            a compressor without a density (fp16, a fixed block count) sends
+            them uncompressed instead.
 
     Example::
 
@@ -81,23 +87,43 @@ class AllReduce(SyncStrategy):
         self._first_step = step
         self._exchanges.clear()
 
-    def start(self, bucket: Bucket, grad: torch.Tensor) -> PendingSync:
-        return self.start_flat(bucket.index, tuple(p.shape for p in bucket.params), grad)
+    def warmup_density(self, step: int) -> float | None:
+        """The least share of each layer sent at ``step``: 25% decaying exponentially to the
+        compressor's density over the warm-up, then None (the compressor's own).
 
-    def start_flat(self, index: int, shapes: tuple[torch.Size, ...], grad: torch.Tensor) -> PendingSync:
+        Example::
+
+            >>> AllReduce(None, TopKCompressor(0.01), warmup_steps=2).warmup_density(1)
+            0.05
+        """
+        target = self.compressor.density
+        if step >= self.warmup_steps or target is None or target >= WARMUP_START_DENSITY:
+            return None
+        return WARMUP_START_DENSITY * (target / WARMUP_START_DENSITY) ** (step / self.warmup_steps)
+
+    def start(self, bucket: Bucket, grad: torch.Tensor) -> PendingSync:
+        params = (torch.cat([p.detach().reshape(-1) for p in bucket.params])
+                  if self.memory.needs_params else None)
+        return self.start_flat(bucket.index, tuple(p.shape for p in bucket.params), grad, params)
+
+    def start_flat(self, index: int, shapes: tuple[torch.Size, ...], grad: torch.Tensor,
+                   params: torch.Tensor | None = None) -> PendingSync:
         """Begin exchanging ``grad``, the concatenated gradients of parameters of ``shapes``.
 
         ``index`` names the bucket, the same on every rank (error feedback and
         warm-up are kept per index); callers that have no engine ``Bucket``
-        (a DDP comm hook) use this entry.
+        (a DDP comm hook) use this entry. ``params`` are the bucket's flat
+        parameters, needed only when the error memory asks for them
+        (momentum correction adds weight decay).
         """
         step = self._exchanges.get(index, self._first_step)
         self._exchanges[index] = step + 1
         name = str(index)
-        if step < self.warmup_steps:
+        density = self.warmup_density(step)
+        if step < self.warmup_steps and self.compressor.density is None:
             return self._exchange(self._dense, *self._dense.compress(grad, name))
-        compensated = self.memory.compensate(grad, name)
-        info = LayerInfo(shapes=shapes, agree=self._agree, step=step)
+        compensated = self.memory.compensate(grad, name, params)
+        info = LayerInfo(shapes=shapes, agree=self._agree, step=step, density=density)
         payload, ctx = self.compressor.compress(compensated, name, info)
         self.memory.update(compensated, name, self.compressor.decompress(payload, ctx))
         return self._exchange(self.compressor, payload, ctx)

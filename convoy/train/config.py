@@ -25,6 +25,8 @@ LOGGER_NAMES = ("tensorboard", "csv")
 # (vgg_fc's large fully connected layers diverge at 0.05 with momentum 0.9).
 DEFAULT_LR = {"lenet": 0.03, "vgg_fc": 0.0125, "resnet18": 0.05}
 OTHER_MODELS_LR = 0.05
+# Steps of the density ramp a sparse compressor warms up with unless told otherwise.
+SPARSE_WARMUP_STEPS = 100
 
 
 DEFAULT_EPOCHS = 20  # the default job's length; see bench/results/default_job.md
@@ -132,7 +134,20 @@ class TrainConfig:
                                 section="compress")
     element_fraction: float = _opt(0.01, "topk, randomk: fraction of each layer's elements sent, in (0, 1]",
                                    section="compress")
-    warmup_steps: int = _opt(0, "exchange the first N steps uncompressed before compressing", section="compress")
+    warmup_steps: int | None = _opt(None, "warm-up: blocktopk --block-fraction, topk and randomk send 25%% of "
+                                    "each layer at step 0, decaying exponentially to their own share at step "
+                                    "N; other compressors send the first N steps uncompressed (default: "
+                                    f"{SPARSE_WARMUP_STEPS} for the former, 0 otherwise)",
+                                    section="compress")
+    # Sparse compression that converges (DGC's fixes)
+    block_size: int = _opt(16, "blocktopk: elements per block (exactly: the largest divisor of a parameter's "
+                           "size not above N), so small and large layers are cut alike", section="compress")
+    momentum_correction: bool = _opt(True, "blocktopk, topk, randomk with sgd and --momentum > 0: accumulate "
+                                     "the velocity on each worker and compress that (error feedback on the "
+                                     "velocity), applying the average without the optimizer's momentum",
+                                     section="compress")
+    clip_norm: float = _opt(5.0, "with momentum correction: clip each layer's local gradient to this L2 "
+                            "norm / sqrt(workers) before accumulating it", section="compress")
     parallel: str = _opt("data", "parallel layout: data, or hybrid (conv layers data-parallel on "
                          "--conv-workers, the FC head on --fc-workers)", section="parallel")
     conv_workers: int | None = _opt(None, "hybrid: I, the ranks 0..I-1 that train the conv layers",
@@ -163,6 +178,13 @@ class TrainConfig:
         if self.steps is not None:
             return self.steps
         return (self.epochs or DEFAULT_EPOCHS) * steps_per_epoch
+
+    def warmup(self) -> int:
+        """``--warmup-steps``, or its default: a density ramp for a compressor that sends a share."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        ramps = self.compress in ("topk", "randomk") or (self.compress == "blocktopk" and self.block_fraction)
+        return SPARSE_WARMUP_STEPS if ramps else 0
 
     def synthetic_dims(self) -> tuple[int, int, int]:
         try:
@@ -294,7 +316,10 @@ class TrainConfig:
         _one_of("block_metric", self.block_metric, METRICS)
         _one_of("block_selection", self.block_selection, SELECTIONS)
         _fraction("element_fraction", self.element_fraction)
-        _at_least("warmup_steps", self.warmup_steps, 0)
+        if self.warmup_steps is not None:
+            _at_least("warmup_steps", self.warmup_steps, 0)
+        _at_least("block_size", self.block_size, 1)
+        _positive("clip_norm", self.clip_norm)
 
 
     def _validate_ps(self) -> None:

@@ -17,5 +17,5 @@ def build_hierarchical(config: TrainConfig, ctx: runtime.Context, compressor: Co
     overrides = load_profile_file(config.node_profile) if config.node_profile else None
     plan = plan_job(parse_weights(config.indicator_weights), parse_clusters(config.clusters), config.seed,
                     config.reelect_every, config.server_choice, overrides, ctx.local_rank)
-    return Hierarchical(plan, config.exchange_every, compressor, memory, config.warmup_steps,
+    return Hierarchical(plan, config.exchange_every, compressor, memory, config.warmup(),
                         last_step=total_steps - 1)

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from convoy import runtime
 from convoy.checkpoint.export import load_initial_state
 from convoy.checkpoint.session import CheckpointSession, CheckpointSettings, ResumePoint, start_checkpointing
-from convoy.compress import build_compressor
+from convoy.compress import MomentumCorrection, build_compressor
 from convoy.data import DatasetSplits, GlobalBatchSampler, build_dataset, iterate_batches
 from convoy.engine import Engine
 from convoy.engine.gradients import GradientGate, LossScaler
@@ -29,7 +29,7 @@ from convoy.train.config import TrainConfig, save_config
 from convoy.train.hierarchical import build_hierarchical
 from convoy.train.divergence import DivergenceGuard, divergence_hint
 from convoy.train.metrics import MetricsWriter
-from convoy.train.optim import lr_lambda, resolve_optimizer, supported_kwargs
+from convoy.train.optim import corrects_momentum, lr_lambda, resolve_optimizer, supported_kwargs
 
 @dataclass
 class RunSummary:
@@ -108,6 +108,8 @@ def run(config: TrainConfig) -> RunSummary:
 def optimizer_spec(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict]:
     """The optimizer class and the hyper-parameters of it that ``config`` sets."""
     optimizer_class = resolve_optimizer(config.optimizer)
+    if corrects_momentum(config):   # the workers' error-feedback memory applies both
+        return optimizer_class, {"lr": config.lr, "momentum": 0.0, "weight_decay": 0.0}
     return optimizer_class, supported_kwargs(optimizer_class, lr=config.lr, momentum=config.momentum,
                                              weight_decay=config.weight_decay)
 
@@ -134,11 +136,14 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
         compressor, memory = build_compressor(
             config.compress, blocks_per_layer=config.blocks_per_layer, block_fraction=config.block_fraction,
             block_metric=config.block_metric, block_selection=config.block_selection,
-            element_fraction=config.element_fraction)
+            block_size=config.block_size, element_fraction=config.element_fraction)
+        if corrects_momentum(config):
+            workers = dist.get_world_size(group) if group is not None else ctx.world_size
+            memory = MomentumCorrection(config.momentum, config.clip_norm, workers, config.weight_decay)
         if config.sync == "hierarchical":
             sync: SyncStrategy = build_hierarchical(config, ctx, compressor, memory, total_steps)
         else:
-            sync = AllReduce(group, compressor, memory, config.warmup_steps)
+            sync = AllReduce(group, compressor, memory, config.warmup())
         return Engine(part, optimizer_class, sync, listeners=sync.listeners(),
                       lr_lambda=lr_lambda(config.lr_schedule, total_steps),
                       gate=GradientGate(config.clip_grad_norm, scaler), **hyper)

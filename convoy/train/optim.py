@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 
 from convoy.errors import UsageError
+from convoy.train.config import TrainConfig
 from convoy.utils.imports import is_import_path, load_object
 
 _BY_NAME: dict[str, type[torch.optim.Optimizer]] = {
@@ -38,6 +39,18 @@ def supported_kwargs(optimizer_class: type, **candidates: Any) -> dict[str, Any]
     """The subset of ``candidates`` that ``optimizer_class`` takes (Adam has no momentum)."""
     params = inspect.signature(optimizer_class.__init__).parameters
     return {k: v for k, v in candidates.items() if k in params}
+
+
+def corrects_momentum(config: TrainConfig) -> bool:
+    """Whether ``config`` trains with momentum correction: SGD with momentum and a sparse compressor.
+
+    The workers then keep the momentum (and weight decay) in their error-feedback
+    memory, and the layer optimizers step without either.
+    """
+    from convoy.compress import SPARSE_NAMES
+
+    return (config.momentum_correction and config.compress in SPARSE_NAMES
+            and config.optimizer == "sgd" and config.momentum > 0)
 
 
 def lr_lambda(schedule: str, total_steps: int) -> Callable[[int], float] | None:

@@ -1,0 +1,88 @@
+"""Momentum correction: error feedback on the velocity, so momentum and sparsity do not compound.
+
+With plain error feedback the unsent gradient waits in a residual and leaves
+in a burst when its block is finally chosen; momentum SGD applied to the
+averaged sparse gradient then repeats that burst for ``1 / (1 - m)`` steps.
+Both mechanisms integrate the same signal, and together they overshoot: this
+is what made block-sparse training collapse once dense warm-up ended (the
+layer optimizers' momentum buffers, filled by dense steps, kept pushing while
+residuals piled up behind the 1% of blocks sent).
+
+Here each worker keeps the momentum itself: ``u = m u + g`` (the velocity) and
+``v = v + u`` (what it owes), compresses ``v``, and the exchanged average is
+applied as a plain SGD step, without the optimizer's own momentum. Where a
+value that had waited was sent, both ``u`` and ``v`` are zeroed (momentum
+factor masking), so a stale velocity does not keep pushing a coordinate that
+was just updated; values sent every step keep their velocity, so sending
+everything is exactly momentum SGD.
+The local gradient is clipped before it enters ``u``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from convoy.compress.base import Memory
+
+
+class MomentumCorrection(Memory):
+    """Error feedback on a locally accumulated velocity (use with a momentum-free optimizer step).
+
+    Invariant, per call: ``sent + new residual == old residual + u`` exactly,
+    with ``u = m * u_masked + clipped gradient`` (the residual is that sum minus
+    what was sent, and a sparse compressor sends exact copies of it).
+
+    Args:
+        momentum: ``m``, the optimizer's momentum, which this memory takes over.
+        clip_norm: clip each layer's local gradient to this L2 norm divided by
+            ``sqrt(world_size)`` (so the average obeys ``clip_norm``); None: no clipping.
+        world_size: workers averaging the gradient.
+        weight_decay: added to the gradient (``g + wd * w``) before it enters
+            the velocity, as momentum SGD would; the optimizer's own is then 0.
+
+    Example::
+
+        >>> memory = MomentumCorrection(0.9)
+        >>> compensated = memory.compensate(grad, "3")
+        >>> sent = compressor.decompress(*compressor.compress(compensated, "3"))
+        >>> memory.update(compensated, "3", sent)
+    """
+
+    def __init__(self, momentum: float, clip_norm: float | None = None, world_size: int = 1,
+                 weight_decay: float = 0.0):
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
+        self.momentum, self.weight_decay = momentum, weight_decay
+        self.needs_params = weight_decay != 0.0
+        self.local_clip = None if clip_norm is None else clip_norm / math.sqrt(world_size)
+        self.velocities: dict[str, torch.Tensor] = {}
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def compensate(self, tensor: torch.Tensor, name: str,
+                   params: torch.Tensor | None = None) -> torch.Tensor:
+        gradient = self._clipped(tensor)
+        if self.weight_decay and params is not None:
+            gradient = gradient.add(params, alpha=self.weight_decay)   # as torch's SGD adds it
+        velocity = self.velocities.get(name)
+        velocity = gradient.clone() if velocity is None else velocity.mul_(self.momentum).add_(gradient)
+        self.velocities[name] = velocity
+        residual = self.residuals.get(name)
+        return velocity.clone() if residual is None else residual + velocity
+
+    def update(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> None:
+        delayed = self.residuals.get(name)
+        if delayed is not None:
+            # Mask only values that waited: a value sent every step carries no
+            # stale momentum, and keeping its velocity makes density 1.0 exactly
+            # momentum SGD.
+            self.velocities[name].masked_fill_((sent != 0) & (delayed != 0), 0.0)
+        self.residuals[name] = compensated - sent
+
+    def _clipped(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.local_clip is None:
+            return tensor
+        norm = float(torch.linalg.vector_norm(tensor))
+        return tensor * (self.local_clip / norm) if norm > self.local_clip else tensor
