@@ -49,7 +49,7 @@ def test_help_groups_every_option_under_its_section():
         at = re.search(rf"^  --{field.name.replace('_', '-')}\b", result.stdout, re.M).start()
         group = max((start, name) for name, start in titles.items() if start < at)[1]
         assert group == field.metadata["section"], field.name
-    assert "(default: 0.05)" in result.stdout      # --lr's default is shown
+    assert "(default: 0.9)" in result.stdout       # --momentum's default is shown
 
 
 def test_sectioned_and_flat_config_files_are_the_same_settings(tmp_path):

@@ -24,7 +24,7 @@ LOGGER_NAMES = ("tensorboard", "csv")
 # Learning rates at which the built-in models train with the other defaults
 # (vgg_fc's large fully connected layers diverge at 0.05 with momentum 0.9).
 DEFAULT_LR = {"lenet": 0.03, "vgg_fc": 0.0125, "resnet18": 0.05}
-OTHER_MODELS_LR = 0.05
+OTHER_MODELS_LR = 0.03   # the default job's rate: a custom model trains like lenet unless told otherwise
 # Steps of the density ramp a sparse compressor warms up with unless told otherwise.
 SPARSE_WARMUP_STEPS = 100
 
