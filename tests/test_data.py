@@ -294,7 +294,7 @@ def test_unknown_name_lists_choices():
     with pytest.raises(UsageError) as info:
         build_dataset("foo")
     assert str(info.value) == (
-        "unknown dataset 'foo'; choose one of: digits, mnist, cifar10, synthetic, or package.module:factory"
+        "unknown dataset 'foo'; choose one of: digits, mnist, cifar10, synthetic, path/to/file.py:factory or package.module:factory"
     )
     assert DATASET_NAMES == ("digits", "mnist", "cifar10", "synthetic")
 
