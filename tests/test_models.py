@@ -167,7 +167,7 @@ def test_unknown_model_lists_choices() -> None:
     with pytest.raises(UsageError) as info:
         build_model("foo")
     assert str(info.value) == (
-        "unknown model 'foo'; choose one of: lenet, vgg_fc, resnet18, or package.module:factory"
+        "unknown model 'foo'; choose one of: lenet, vgg_fc, resnet18, or path/to/file.py:factory or package.module:factory"
     )
 
 
