@@ -27,7 +27,7 @@ from convoy.checkpoint.format import FormatError, Layout
 from convoy.checkpoint.listener import CheckpointListener, model_file, rank_file
 from convoy.checkpoint.recovery import (AreaReport, ensure_verified, fallback_notes, restore_model, restore_rank,
                                        scan, valid_steps)
-from convoy.checkpoint.snapshot import model_layout, rank_layout, rank_state, residual_dict
+from convoy.checkpoint.snapshot import model_layout, rank_layout, rank_state
 from convoy.checkpoint.store import AREAS, Store
 from convoy.errors import UsageError
 
@@ -230,11 +230,9 @@ def _reopen(path: Path, reports: list[AreaReport], step: int) -> Store:
 
 
 def _rank_file_bytes(model: nn.Module, sync: Any) -> int:
-    """One area of a rank's own file: buffers and RNG now, plus residuals as large as the parameters."""
+    """One area of a rank's own file: buffers and RNG now, plus what the sync strategy may keep."""
     now = rank_layout(rank_state(model, sync), {}).area_size()
-    if residual_dict(sync) is None:
-        return now
-    return now + sum(p.numel() * p.element_size() for p in model.parameters())
+    return now + sync.state_bytes_bound(sum(p.numel() * p.element_size() for p in model.parameters()))
 
 
 def _check_space(directory: Path, need: int) -> None:

@@ -7,7 +7,8 @@ layout is known before training: a throw-away optimizer takes one step on
 zero copies of each layer to reveal the shapes and dtypes of its state.
 
 A rank file has one slot of per-rank state: buffers (batch-norm statistics
-differ between ranks), the compressor's error-feedback residuals and the RNG.
+differ between ranks), the sync strategy's state (error-feedback residuals,
+a compressor's factors: ``SyncStrategy.state_tensors``) and the RNG.
 """
 from __future__ import annotations
 
@@ -100,17 +101,8 @@ def restore_parameters(module: nn.Module, slot_tensors: dict[str, torch.Tensor])
                 param.copy_(slot_tensors[f"param.{name}"])
 
 
-def residual_dict(sync: Any) -> dict[str, torch.Tensor] | None:
-    """The error-feedback residuals of a sync strategy's compressor memory, if it keeps any.
-
-    Any memory exposing a ``residuals`` dict of tensors is persisted, whatever its keys.
-    """
-    residuals = getattr(getattr(sync, "memory", None), "residuals", None)
-    return residuals if isinstance(residuals, dict) else None
-
-
 def rank_state(model: nn.Module, sync: Any, buffers: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Copies of this rank's own state: buffers, residuals, the torch RNG.
+    """Copies of this rank's own state: buffers, the sync strategy's state, the torch RNG.
 
     Args:
         buffers: buffer copies already taken (when their layer was final); the
@@ -119,9 +111,8 @@ def rank_state(model: nn.Module, sync: Any, buffers: dict[str, torch.Tensor] | N
     out = {f"buffer.{k}": v for k, v in (buffers or {}).items()}
     for name, buf in model.named_buffers():
         out.setdefault(f"buffer.{name}", buf.detach().clone())
-    for key, value in (residual_dict(sync) or {}).items():
-        if isinstance(value, torch.Tensor):
-            out[f"residual.{key}"] = value.detach().clone()
+    for key, value in sync.state_tensors().items():
+        out[f"sync.{key}"] = value.detach().clone()
     out["rng.torch"] = torch.get_rng_state()
     return out
 
@@ -137,15 +128,16 @@ def rank_layout(state: dict[str, torch.Tensor], info: dict[str, Any]) -> Layout:
 
 
 def restore_rank_state(model: nn.Module, sync: Any, tensors: dict[str, torch.Tensor]) -> None:
-    """Put buffers, residuals and the RNG state back from a rank slot's tensors."""
+    """Put buffers, the sync strategy's state and the RNG state back from a rank slot's tensors."""
     buffers = dict(model.named_buffers())
-    residuals = residual_dict(sync)
+    sync_state = {}
     with torch.no_grad():
         for key, tensor in tensors.items():
             kind, name = key.split(".", 1)
             if kind == "buffer" and name in buffers:
                 buffers[name].copy_(tensor)
-            elif kind == "residual" and residuals is not None:
-                residuals[name] = tensor.clone()
+            elif kind == "sync":
+                sync_state[name] = tensor
             elif key == "rng.torch":
                 torch.set_rng_state(tensor.clone())
+    sync.load_state_tensors(sync_state)

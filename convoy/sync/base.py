@@ -54,6 +54,37 @@ class SyncStrategy(ABC):
     def set_step(self, step: int) -> None:
         """The next exchange belongs to ``step`` (resuming); strategies with step-dependent behaviour override."""
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's exchange state that a bit-identical resume needs, by stable name.
+
+        Checkpoints keep it in the rank's own file and hand it back through
+        :meth:`load_state_tensors`. The default is the error-feedback residuals
+        of a ``memory`` attribute (``residual.<bucket>``); strategies with more
+        state (a compressor's warm-start factors, a cluster plan, exchange
+        counters as tensors) extend the dict.
+        """
+        residuals = getattr(getattr(self, "memory", None), "residuals", None)
+        if not isinstance(residuals, dict):
+            return {}
+        return {f"residual.{key}": value for key, value in residuals.items() if isinstance(value, torch.Tensor)}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Put back what :meth:`state_tensors` returned (copies owned by the strategy from now on)."""
+        residuals = getattr(getattr(self, "memory", None), "residuals", None)
+        for key, tensor in tensors.items():
+            kind, name = key.split(".", 1)
+            if kind == "residual" and isinstance(residuals, dict):
+                residuals[name] = tensor.clone()
+
+    def state_bytes_bound(self, params_bytes: int) -> int:
+        """At most how many bytes :meth:`state_tensors` will hold (a checkpoint reserves disk for it).
+
+        The default allows residuals as large as the parameters whenever the
+        strategy keeps an error-feedback memory.
+        """
+        residuals = getattr(getattr(self, "memory", None), "residuals", None)
+        return params_bytes if isinstance(residuals, dict) else 0
+
     def listeners(self) -> list:
         """Engine listeners the strategy needs (hierarchical sync exchanges parameters as layers finish)."""
         return []
