@@ -1,12 +1,25 @@
-"""The layer-wise pipelined engine (seed 000, claims 6-8 and 10-12).
+"""The layer-wise pipelined engine: one step as a pipeline of per-bucket stages.
 
 The main thread runs forward and backward. A post-accumulate-grad hook on each
 parameter raises its layer's flag once the whole layer's gradient is there. An
-auxiliary thread takes layers in one fixed order, the same on every rank
-(reverse forward order), starts each layer's exchange as soon as its flag is
-up, and applies that layer's optimizer update as soon as its exchange ends.
-There is no barrier at the end of backward: the next forward's pre-hook on a
-layer waits only for that layer's update, so early layers compute while late
+auxiliary thread takes buckets of layers in one fixed order, the same on every
+rank (reverse forward order), and runs each through the stages::
+
+    1. gradient ready   the bucket's flags are up (or, on a parameter server,
+                        the step was started with ``run_step``: the gradients
+                        come from the workers)
+    2. exchange         ``sync.start``: the strategy compresses (with error
+                        feedback), exchanges and decompresses
+    3. update           a local strategy yields the averaged gradient and the
+                        bucket's optimizer applies it here; a strategy that
+                        ``returns_parameters`` (a parameter-server worker)
+                        yields the parameters its server updated, copied in
+    4. snapshot         listeners see each layer final (checkpoints, the
+                        parameter server's reply to its workers)
+    5. per-layer wait   the next forward's pre-hook on a layer waits only for
+                        that layer's update
+
+There is no barrier at the end of backward, so early layers compute while late
 layers are still on the wire.
 """
 from __future__ import annotations
@@ -14,22 +27,17 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
+from convoy.core import Listener, PendingSync, StepStats, SyncStrategy, Waiter
 from convoy.engine.gradients import GradientGate, check_finite
 from convoy.engine.layers import Bucket, ForwardOrderRecorder, Layer, make_buckets
 from convoy.engine.optim import LayerOptimizer, bucket_optimizer
-from convoy.engine.listeners import Listener
-from convoy.engine.stats import StepStats
 from convoy.errors import TrainingDiverged
-from convoy.sync.base import SyncStrategy
 
-# How often blocked threads look up from a wait to notice a failed peer thread.
-_POLL_S = 0.5
 # Default bucket size: small layers travel and update together (one collective and
 # one fused optimizer call), while the large ones still go on their own, so the
 # exchange keeps overlapping backward and the next forward.
@@ -101,12 +109,12 @@ class Engine:
         self._recorder: ForwardOrderRecorder | None = ForwardOrderRecorder(model)
         self._pending_state: dict[str, dict] | None = None   # optimizer state to load once layers exist
 
-        self._cond = threading.Condition()
+        self._waiter = Waiter(self._raise_failure)
+        self._cond = self._waiter.cond
         self._ready_count: list[int] = []     # params of each layer whose grad arrived this step
         self._updates_done: list[int] = []    # steps applied to each layer so far
         self._backward_done = -1              # last step whose backward returned
         self._steps_done = -1                 # last step the aux thread finished
-        self._error: BaseException | None = None
         self._stats: dict[int, StepStats] = {}
         self.step = 0                         # the step the next backward belongs to
 
@@ -185,6 +193,27 @@ class Engine:
         self._wait_s = 0.0
         self.step += 1
 
+    def run_step(self) -> None:
+        """Start a step whose gradients come from the sync strategy, not from a local backward.
+
+        A parameter server's engine has no forward or backward: its strategy's
+        exchange collects the workers' pushes, and the update stage runs here,
+        on the shard this rank owns. Returns at once, like ``backward``.
+        """
+        if self._recorder is not None:
+            self._build_layers()
+        self._raise_if_failed()
+        step = self.step
+        self._steps.put(step)
+        now = time.perf_counter()
+        with self._cond:
+            self._backward_done = step
+            stats = self._stats.setdefault(step, StepStats(step))
+            stats.wall_s = now - self._last_backward_end
+            self._cond.notify_all()
+        self._last_backward_end = now
+        self.step += 1
+
     def accumulate(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` of a micro-batch without exchanging or updating.
 
@@ -228,6 +257,7 @@ class Engine:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+        self.sync.close()
 
     def set_step(self, step: int) -> None:
         """Start counting at ``step`` (used when resuming from a checkpoint)."""
@@ -251,20 +281,18 @@ class Engine:
                 opt.load_state_dict({"state": states[layer.name]})
 
     def _wait_for(self, predicate: Callable[[], bool]) -> None:
-        start = time.perf_counter()
-        with self._cond:
-            while not predicate():
-                self._raise_if_failed()
-                self._cond.wait(_POLL_S)
-        self._raise_if_failed()
+        waited = self._waiter.wait_for(predicate)
         if threading.current_thread() is not self._thread:
-            self._wait_s += time.perf_counter() - start
+            self._wait_s += waited
 
     def _raise_if_failed(self) -> None:
-        if isinstance(self._error, TrainingDiverged):   # the run's numbers, not a failed exchange
-            raise TrainingDiverged(self._error.step, self._error.what)
-        if self._error is not None:
-            raise EngineError(f"gradient synchronisation failed: {self._error}") from self._error
+        self._waiter.raise_if_failed()
+
+    @staticmethod
+    def _raise_failure(message: str, error: BaseException) -> None:
+        if isinstance(error, TrainingDiverged):   # the run's numbers, not a failed exchange
+            raise TrainingDiverged(error.step, error.what)
+        raise EngineError(f"gradient synchronisation failed: {message}") from error
 
     # ------------------------------------------------------- auxiliary thread
     def _aux_main(self) -> None:
@@ -272,23 +300,20 @@ class Engine:
             while (step := self._steps.get()) is not None:
                 self._run_step(step)
         except BaseException as exc:  # the main thread re-raises it
-            with self._cond:
-                self._error = exc
-                self._cond.notify_all()
+            self._waiter.fail("", exc)
 
     def _run_step(self, step: int) -> None:
         self._apply_lr(step)
         sent0, received0 = self.sync.traffic()
-        in_flight: deque = deque()
+        in_flight: list[tuple[Bucket, PendingSync]] = []
         exchanged: list[Bucket] = []   # with a gate: buckets whose update waits for the whole step
         for bucket in self.buckets:
             for layer in bucket.layers:
-                self._wait_ready(layer, step)
-            in_flight.append((bucket, self.sync.start(bucket, bucket.flat_grad())))
-            while in_flight and in_flight[0][1].is_done():
-                self._finish_exchange(*in_flight.popleft(), step, exchanged)
+                self._wait_ready(layer, step)                                      # 1. gradient ready
+            in_flight.append((bucket, self.sync.start(bucket, bucket.flat_grad())))   # 2. exchange
+            self._finish_done(in_flight, step, exchanged)
         while in_flight:
-            self._finish_exchange(*in_flight.popleft(), step, exchanged)
+            self._finish_exchange(*in_flight.pop(self.sync.next_done([p for _, p in in_flight])), step, exchanged)
         if self.gate is not None:
             apply = self.gate.process([bucket.flat_grad() for bucket in exchanged], step)
             for bucket in exchanged:
@@ -306,14 +331,30 @@ class Engine:
     def _wait_ready(self, layer: Layer, step: int) -> None:
         # A layer whose parameters backward never reached (unused this step)
         # counts as ready once backward returns: its gradient is zero.
+        self._waiter.wait_for(lambda: (self._ready_count[layer.index] >= len(layer.params)
+                                       or self._backward_done >= step))
         with self._cond:
-            while (self._ready_count[layer.index] < len(layer.params)
-                   and self._backward_done < step):
-                self._cond.wait(_POLL_S)
             self._ready_count[layer.index] = 0
 
-    def _finish_exchange(self, bucket: Bucket, pending: Any, step: int, exchanged: list[Bucket]) -> None:
-        bucket.set_grads(pending.wait())
+    def _finish_done(self, in_flight: list[tuple[Bucket, PendingSync]], step: int,
+                     exchanged: list[Bucket]) -> None:
+        """Finish the exchanges that already ended (only from the front for in-order strategies)."""
+        i = 0
+        while i < len(in_flight):
+            if in_flight[i][1].is_done():
+                self._finish_exchange(*in_flight.pop(i), step, exchanged)
+            elif self.sync.completes_in_order:
+                return
+            else:
+                i += 1
+
+    def _finish_exchange(self, bucket: Bucket, pending: PendingSync, step: int, exchanged: list[Bucket]) -> None:
+        result = pending.wait()
+        if self.sync.returns_parameters:   # 3. the update ran on a server: take its parameters
+            bucket.set_params(result)
+            self._update_bucket(bucket, step, apply=False)
+            return
+        bucket.set_grads(result)
         if self.gate is not None:
             exchanged.append(bucket)
             return
@@ -321,10 +362,10 @@ class Engine:
         self._update_bucket(bucket, step, apply=True)
 
     def _update_bucket(self, bucket: Bucket, step: int, apply: bool) -> None:
-        if apply:
+        if apply:                                                                  # 3. update
             next(opt for b, opt in zip(self.buckets, self._bucket_optimizers) if b is bucket).step()
         bucket.reset_grads()
-        for layer in bucket.layers:
+        for layer in bucket.layers:                                                # 4. snapshot
             # Listeners run before the next forward may use the layer, so a
             # checkpoint's snapshot sees exactly this step's parameters and buffers.
             for listener in self.listeners:

@@ -84,6 +84,14 @@ class Bucket:
             return
         self._buffer.copy_(flat)
 
+    def set_params(self, flat: torch.Tensor) -> None:
+        """Copy ``flat`` (the bucket's parameters, concatenated) into the parameters (a server's update)."""
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
     def reset_grads(self) -> None:
         """Zero the buffer so the next backward accumulates this step's gradient afresh."""
         self._buffer.zero_()

@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 
 from convoy.compress import Compressor, IdentityCompressor, LayerInfo, Memory, NoMemory
-from convoy.engine.layers import Bucket
 from convoy.sync.base import Done, PendingSync, SyncStrategy
 from convoy.sync.rows import pack_row, row_extent, sum_rows
 
@@ -101,7 +100,7 @@ class AllReduce(SyncStrategy):
             return None
         return WARMUP_START_DENSITY * (target / WARMUP_START_DENSITY) ** (step / self.warmup_steps)
 
-    def start(self, bucket: Bucket, grad: torch.Tensor) -> PendingSync:
+    def start(self, bucket: Any, grad: torch.Tensor) -> PendingSync:
         params = (torch.cat([p.detach().reshape(-1) for p in bucket.params])
                   if self.memory.needs_params else None)
         return self.start_flat(bucket.index, tuple(p.shape for p in bucket.params), grad, params)

@@ -16,14 +16,12 @@ exchange records the measured drift before combining, ``max_k |theta_k - theta|
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from convoy.engine.layers import Bucket, Layer
-from convoy.engine.listeners import Listener
-from convoy.engine.stats import StepStats
+from convoy.core import Listener, StepStats
 
 if TYPE_CHECKING:
     from convoy.sync.hierarchical import Hierarchical
@@ -78,7 +76,7 @@ class CycleExchange(Listener):
     def _active(self) -> bool:
         return len(self.sync.plan.clusters) > 1
 
-    def remember_start(self, bucket: Bucket) -> None:
+    def remember_start(self, bucket: Any) -> None:
         """Keep the first parameters of ``bucket``'s layers (before their first update)."""
         if not self._active:
             return
@@ -86,7 +84,7 @@ class CycleExchange(Listener):
             if layer.index not in self.anchors:
                 self.anchors[layer.index] = _flat(layer.params).clone()
 
-    def on_layer_updated(self, layer: Layer, step: int) -> None:
+    def on_layer_updated(self, layer: Any, step: int) -> None:
         sync = self.sync
         if not (self._active and sync.is_exchange_step(step)):
             return

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from convoy.cluster.contribution import ContributionHistory
 from convoy.cluster.plan import ClusterPlan
 from convoy.compress import Compressor, Memory
-from convoy.engine.layers import Bucket
 from convoy.sync.allreduce import AllReduce
 from convoy.sync.base import Done, PendingSync
 from convoy.sync.cycle import CycleExchange
@@ -149,7 +148,7 @@ class Hierarchical(AllReduce):
             return record
 
     # ------------------------------------------------------- gradient exchange
-    def start(self, bucket: Bucket, grad: torch.Tensor) -> PendingSync:
+    def start(self, bucket: Any, grad: torch.Tensor) -> PendingSync:
         self._step = self._exchanges.get(bucket.index, self._first_step)
         self.exchange.remember_start(bucket)
         self._reap_sends()

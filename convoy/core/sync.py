@@ -1,0 +1,154 @@
+"""The sync-strategy interface: the exchange stage of the engine's step.
+
+The engine's step, per bucket of layers, is a pipeline of stages::
+
+    gradient ready -> compress (+ error feedback) -> exchange -> decompress
+        -> update -> snapshot (listeners) -> the next forward's per-layer wait
+
+A :class:`SyncStrategy` owns the middle three (its compressor and memory are
+:mod:`convoy.compress` objects) and says where the update runs:
+
+- locally (``returns_parameters = False``: all-reduce, hierarchical): the
+  exchange yields the averaged gradient and the engine's bucket optimizer
+  applies it on this rank;
+- on a server (``returns_parameters = True``: a parameter-server worker): the
+  exchange pushes the gradient and yields the updated parameters the server
+  sent back; the engine copies them in. The server itself runs the same
+  engine, whose exchange collects the workers' pushes and whose update stage
+  runs the bucket optimizers on the shard it owns.
+"""
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+import torch
+
+
+class PendingSync(ABC):
+    """An exchange in flight for one layer."""
+
+    @abstractmethod
+    def is_done(self) -> bool:
+        """True once ``wait`` would not block."""
+
+    @abstractmethod
+    def wait(self) -> torch.Tensor:
+        """Block until the exchange ends; return the averaged flat gradient."""
+
+    def future(self) -> torch.futures.Future:
+        """A torch Future of the averaged flat gradient (what a DDP comm hook returns).
+
+        This default waits first; exchanges backed by a collective override it
+        so the result is computed when the collective completes.
+        """
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(self.wait())
+        return done
+
+
+class SyncStrategy(ABC):
+    """Exchanges each layer's gradient with the other workers.
+
+    The engine calls ``start`` from its auxiliary thread, once per bucket of
+    layers per step, in the same order on every rank, and ``wait``s on the results
+    in that order. Implementations count the payload bytes they put on and take
+    off the wire with ``_count``.
+    """
+
+    world_size: int = 1  # ranks the strategy averages over (its group's size)
+    # The exchange's result is the bucket's updated flat parameters (the update ran elsewhere).
+    returns_parameters: bool = False
+    # Exchanges may end in any order (point to point); collectives end in the order started.
+    completes_in_order: bool = True
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    @abstractmethod
+    def start(self, bucket: Any, grad: torch.Tensor) -> PendingSync:
+        """Begin exchanging ``grad``, the flat local gradient of ``bucket``'s layers.
+
+        ``bucket`` is an engine bucket: ``index`` (the same on every rank),
+        ``layers``, ``params``.
+        """
+
+    def next_done(self, pending: Sequence[PendingSync]) -> int:
+        """The position in ``pending`` (exchanges in the order started) of one that ends next.
+
+        In-order strategies answer 0 (the engine then waits on it). Strategies
+        whose exchanges end out of order block until any is done and name it,
+        so a layer whose parameters came back early is applied at once.
+        """
+        return 0
+
+    def close(self) -> None:
+        """Release the strategy's transport (threads, streams); the engine calls it once, last."""
+
+    def set_step(self, step: int) -> None:
+        """The next exchange belongs to ``step`` (resuming); strategies with step-dependent behaviour override."""
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's exchange state that a bit-identical resume needs, by stable name.
+
+        Checkpoints keep it in the rank's own file and hand it back through
+        :meth:`load_state_tensors`. The default is the error-feedback residuals
+        of a ``memory`` attribute (``residual.<bucket>``); strategies with more
+        state (a compressor's warm-start factors, a cluster plan, exchange
+        counters as tensors) extend the dict.
+        """
+        residuals = getattr(getattr(self, "memory", None), "residuals", None)
+        if not isinstance(residuals, dict):
+            return {}
+        return {f"residual.{key}": value for key, value in residuals.items() if isinstance(value, torch.Tensor)}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Put back what :meth:`state_tensors` returned (copies owned by the strategy from now on)."""
+        residuals = getattr(getattr(self, "memory", None), "residuals", None)
+        for key, tensor in tensors.items():
+            kind, name = key.split(".", 1)
+            if kind == "residual" and isinstance(residuals, dict):
+                residuals[name] = tensor.clone()
+
+    def state_bytes_bound(self, params_bytes: int) -> int:
+        """At most how many bytes :meth:`state_tensors` will hold (a checkpoint reserves disk for it).
+
+        The default allows residuals as large as the parameters whenever the
+        strategy keeps an error-feedback memory.
+        """
+        residuals = getattr(getattr(self, "memory", None), "residuals", None)
+        return params_bytes if isinstance(residuals, dict) else 0
+
+    def listeners(self) -> list:
+        """Engine listeners the strategy needs (hierarchical sync exchanges parameters as layers finish)."""
+        return []
+
+    def step_metrics(self, step: int) -> dict:
+        """Strategy-specific figures of ``step`` for the metrics file (none by default)."""
+        return {}
+
+    def _count(self, sent: int, received: int) -> None:
+        with self._lock:
+            self.bytes_sent += int(sent)
+            self.bytes_received += int(received)
+
+    def traffic(self) -> tuple[int, int]:
+        """Bytes sent and received so far."""
+        with self._lock:
+            return self.bytes_sent, self.bytes_received
+
+
+class Done(PendingSync):
+    """An exchange that needed no communication (a world of one)."""
+
+    def __init__(self, result: torch.Tensor):
+        self._result = result
+
+    def is_done(self) -> bool:
+        return True
+
+    def wait(self) -> torch.Tensor:
+        return self._result
