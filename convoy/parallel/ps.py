@@ -1,9 +1,12 @@
-"""Parameter-server layout (seed 004): S server ranks hold the parameters, W workers train.
+"""Parameter-server layout: S server ranks hold the parameters, W workers train; one engine on every rank.
 
-The first S ranks are servers: they read no data, hold their shard of the
-layers and its optimizer state, and serve one step per ``train_step``. The
-other W ranks are workers: each reads its 1/W of every global batch, pushes
-gradients and pulls parameters. Evaluation is the workers' (servers add
+Servers read no data. Each trains its :class:`~convoy.ps.job.Shard` with an
+ordinary :class:`~convoy.engine.Engine` whose strategy
+(:class:`~convoy.ps.server.ServeShard`) collects the workers' pushes: the
+update, the optimizer state and a checkpoint's snapshot of the shard live
+there. Workers train the whole model with an engine whose strategy
+(:class:`~convoy.ps.worker.PushPull`) pushes each layer's compressed gradient
+and pulls back its parameters. Evaluation is the workers' (servers add
 nothing); the full state comes from the first worker.
 """
 from __future__ import annotations
@@ -15,20 +18,39 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from convoy.compress import Compressor, Memory
 from convoy.data import shard_indices
+from convoy.engine import Engine
 from convoy.parallel.base import ParallelLayout
-from convoy.ps.channels import Channels
-from convoy.ps.plan import agree_on_plan
+from convoy.ps.job import PSJob, Shard, build_job, worker_group
+from convoy.ps.push import RowCodec
 from convoy.ps.roles import PSRoles
-from convoy.ps.routing import build_routing
-from convoy.ps.server import ParameterServer
+from convoy.ps.server import ServeShard
 from convoy.ps.settings import PSSettings
 from convoy.ps.timeline import Timeline
-from convoy.ps.trace_graph import model_layers
-from convoy.ps.worker import PSWorker
+from convoy.ps.worker import PushPull
+from convoy.sync.allreduce import AllReduce
 from convoy.train.scoring import chunks, finish, tally
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def server_engine(job: PSJob, rank: int, optimizer_class: type[torch.optim.Optimizer], hyper: dict[str, Any],
+                  lr_lambda: Callable[[int], float] | None, timeline: Timeline | None) -> Engine:
+    """The engine of server ``rank``: its shard, updated as the workers' pushes arrive."""
+    shard = Shard(job, job.layers_of(rank))
+    sync = ServeShard(job, rank, shard, timeline)
+    return Engine(shard, optimizer_class, sync, listeners=sync.listeners(), lr_lambda=lr_lambda, bucket_bytes=0,
+                  **hyper)
+
+
+def worker_engine(job: PSJob, rank: int, part: nn.Module, optimizer_class: type[torch.optim.Optimizer],
+                  hyper: dict[str, Any], lr_lambda: Callable[[int], float] | None, compressor: Compressor | None,
+                  memory: Memory | None, warmup_steps: int, timeline: Timeline | None) -> Engine:
+    """The engine of worker ``rank`` training ``part``: pushes and pulls, the update on the servers."""
+    sync = PushPull(job, rank, part, compressor, memory, warmup_steps, timeline)
+    return Engine(part, optimizer_class, sync, listeners=sync.listeners(), lr_lambda=lr_lambda, bucket_bytes=0,
+                  **hyper)
 
 
 class ParameterServerLayout(ParallelLayout):
@@ -42,6 +64,8 @@ class ParameterServerLayout(ParallelLayout):
         example: a batch like the training batches (traced for the priorities).
         lr_lambda: ``step -> factor`` of the learning rate, or ``None``.
         loss_fn: ``(logits, labels) -> scalar`` mean loss.
+        compressor, memory, warmup_steps: how workers compress their pushes
+            (the objects all-reduce uses; default: none).
 
     Example::
 
@@ -53,42 +77,61 @@ class ParameterServerLayout(ParallelLayout):
     def __init__(self, model: nn.Module, settings: PSSettings, rank: int, world_size: int,
                  optimizer_class: type[torch.optim.Optimizer], hyper: dict[str, Any], example: torch.Tensor,
                  lr_lambda: Callable[[int], float] | None = None,
-                 loss_fn: LossFn = nn.functional.cross_entropy):
+                 loss_fn: LossFn = nn.functional.cross_entropy, compressor: Compressor | None = None,
+                 memory: Memory | None = None, warmup_steps: int = 0):
         self.roles = PSRoles(settings.servers, world_size)
         self.model, self.rank, self.settings, self.loss_fn = model, rank, settings, loss_fn
         self.is_server = self.roles.is_server(rank)
         # Process groups are created collectively, in the same order on every rank.
-        self.channels = Channels(self.roles, settings.channels, rank)
-        self.worker_group = dist.new_group(self.roles.workers)
-        self.plan = agree_on_plan(model, self.roles, rank, settings.priority, example)
-        numels = [sum(p.numel() for p in params) for _, _, params in model_layers(model)]
-        self.routing = build_routing(numels, self.plan, settings)
+        codec = RowCodec(AllReduce(None, compressor, None, warmup_steps))
+        self.job = build_job(model, self.roles, rank, settings, example, codec)
+        self.routing = self.job.pull
+        self.worker_group = worker_group(self.roles)
         self.timeline = (Timeline(rank, "server" if self.is_server else "worker", settings.trace_steps)
                          if settings.trace_steps else None)
         self.data_world_size = self.roles.num_workers
         if self.is_server:
             self.data_rank = 0   # servers read batches only to keep the loop's pace
-            self.engine = ParameterServer(model, self.roles, rank, self.channels, self.routing, settings,
-                                          optimizer_class, hyper, lr_lambda, self.timeline)
+            self.engine = server_engine(self.job, rank, optimizer_class, hyper, lr_lambda, self.timeline)
         else:
             self.data_rank = self.roles.worker_index(rank)
-            self.engine = PSWorker(model, self.roles, rank, self.channels, self.routing, settings, self.timeline,
-                                   self.plan.unseen)
+            self.engine = worker_engine(self.job, rank, model, optimizer_class, hyper, lr_lambda, compressor,
+                                        memory, warmup_steps, self.timeline)
+        self._reports = self.roles.is_server(0)   # rank 0 shows progress: the workers tell it their losses
 
     # ------------------------------------------------------------- training
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
         if self.is_server:
-            return self.engine.serve_step()
+            self.engine.run_step()
+            return self._collect_reports() if self.rank == 0 else (0.0, 0)
         self.model.train()
         logits = self.model(x)
         loss = self.loss_fn(logits, y)
         self.engine.backward(loss)
         correct = int((logits.argmax(1) == y).sum())
-        self.engine.report(loss.item(), correct, len(y))
+        if self._reports:
+            self.engine.sync.report(loss.item(), correct, len(y))
         return loss.item(), correct
+
+    def _collect_reports(self) -> tuple[float, int]:
+        from convoy.ps.wire import REPORT_TAG
+
+        total = torch.zeros(3, dtype=torch.float64)
+        message = torch.empty(3, dtype=torch.float64)
+        for worker in self.roles.workers:
+            dist.recv(message, worker, group=self.job.channels.group(0, worker, 0), tag=REPORT_TAG)
+            total += message
+        workers = self.roles.num_workers
+        return total[0].item() / workers, round(total[1].item() / workers)
 
     def step_metrics(self, step: int) -> dict[str, Any]:
         return {"role": "server" if self.is_server else "worker", "priority": self.settings.priority}
+
+    def checkpoint_scope(self) -> tuple[nn.Module, list[int] | None, dict[str, str] | None]:
+        """One server: every rank checkpoints the server's shard, the server writing it (its parameters and
+        optimizer state), the workers their own state (residuals, RNG, buffers) into their rank files."""
+        shard = self.engine.model if self.is_server else Shard(self.job, self.job.layers_of(self.roles.server_ranks[0]))
+        return shard, None, shard.full_names
 
     # ----------------------------------------------------------- evaluation
     def evaluate(self, test: torch.utils.data.Dataset, device: torch.device) -> tuple[float, float]:

@@ -49,7 +49,8 @@ class Channels:
 
     def id(self, server: int, worker: int, channel: int) -> int:
         """The channel's unique id in the job."""
-        return (server * self.roles.num_workers + self.roles.worker_index(worker)) * self.count + channel
+        return ((self.roles.server_index(server) * self.roles.num_workers + self.roles.worker_index(worker)) * self.count
+                + channel)
 
 
 def channel_map(sizes_in_priority_order: Sequence[tuple[int, int]], channels: int) -> dict[int, int]:

@@ -1,4 +1,4 @@
-"""Who serves and who trains: the first S ranks are servers, the other W ranks workers."""
+"""Who serves and who trains: S server ranks (the first S, or the last S), the other W ranks workers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,17 +8,21 @@ from convoy.errors import UsageError
 
 @dataclass(frozen=True)
 class PSRoles:
-    """S servers (ranks 0..S-1) and W workers (ranks S..S+W-1).
+    """S servers (ranks 0..S-1) and W workers (ranks S..S+W-1); with ``servers_last`` the
+    servers are ranks W..W+S-1 instead (a hybrid job keeps its conv and FC ranks first).
 
     Example::
 
         >>> roles = PSRoles(servers=2, world_size=5)
         >>> roles.workers, roles.is_server(1), roles.worker_index(3)
         ([2, 3, 4], True, 1)
+        >>> PSRoles(1, 4, servers_last=True).server_ranks
+        [3]
     """
 
     servers: int
     world_size: int
+    servers_last: bool = False
 
     def __post_init__(self) -> None:
         if self.servers < 1:
@@ -28,12 +32,16 @@ class PSRoles:
                              f"({self.world_size}): at least one rank must train as a worker")
 
     @property
+    def _first_server(self) -> int:
+        return self.world_size - self.servers if self.servers_last else 0
+
+    @property
     def server_ranks(self) -> list[int]:
-        return list(range(self.servers))
+        return list(range(self._first_server, self._first_server + self.servers))
 
     @property
     def workers(self) -> list[int]:
-        return list(range(self.servers, self.world_size))
+        return [r for r in range(self.world_size) if not self.is_server(r)]
 
     @property
     def num_workers(self) -> int:
@@ -41,13 +49,19 @@ class PSRoles:
 
     @property
     def first_worker(self) -> int:
-        return self.servers
+        return self.workers[0]
 
     def is_server(self, rank: int) -> bool:
-        return rank < self.servers
+        return self._first_server <= rank < self._first_server + self.servers
+
+    def server_index(self, rank: int) -> int:
+        """Position of server ``rank`` among the servers."""
+        if not self.is_server(rank):
+            raise ValueError(f"rank {rank} is not a server")
+        return rank - self._first_server
 
     def worker_index(self, rank: int) -> int:
         """Position of worker ``rank`` among the workers (its data rank)."""
         if self.is_server(rank):
             raise ValueError(f"rank {rank} is a server")
-        return rank - self.servers
+        return self.workers.index(rank)

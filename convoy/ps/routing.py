@@ -17,7 +17,7 @@ class Routing:
 
     Attributes:
         table: per layer, its slices.
-        owner: per layer, the server rank that holds it.
+        owner: per layer, the server (0..S-1, its position among the servers) that holds it.
         priority: slice id -> queue key (layer's priority rank, slice's part), smallest first.
         channel: slice id -> channel number 0..C-1 (0: the most urgent bytes).
     """
@@ -38,8 +38,11 @@ class Routing:
 
 
 def build_routing(layer_numels: Sequence[int], plan: PriorityPlan, settings: PSSettings,
-                  element_size: int = 4) -> Routing:
+                  element_size: int = 4, owner: Sequence[int] | None = None) -> Routing:
     """Slice every layer, give it to a server, and map its slices to priorities and channels.
+
+    ``owner`` (server of each layer, 0..S-1) is given when another table of the
+    same layers has placed them already (pushes travel in rows of their own size).
 
     Example::
 
@@ -48,10 +51,11 @@ def build_routing(layer_numels: Sequence[int], plan: PriorityPlan, settings: PSS
         [3, 1]
     """
     table = slice_table(layer_numels, settings.slice_bytes, element_size)
-    owner = shard_layers([n * element_size for n in layer_numels], settings.servers)
+    if owner is None:
+        owner = shard_layers([n * element_size for n in layer_numels], settings.servers)
     rank = plan.rank
     priority = {piece.id: (rank[piece.layer], piece.part) for pieces in table for piece in pieces}
     ordered = sorted(priority, key=priority.__getitem__)
     sizes = {piece.id: piece.numel * element_size for pieces in table for piece in pieces}
     channel = channel_map([(sid, sizes[sid]) for sid in ordered], settings.channels)
-    return Routing(table, owner, priority, channel)
+    return Routing(table, list(owner), priority, channel)

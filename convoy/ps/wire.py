@@ -48,17 +48,18 @@ class PostedRecvs:
 
     Args:
         group_of: (peer, slice id) -> the channel's process group.
-        buffer_of: (peer, slice id) -> the tensor the payload lands in.
+        buffer_of: (peer, slice id, step) -> the tensor the payload lands in (its size is what
+            the peer sends that step).
 
     Example::
 
-        >>> recvs = PostedRecvs(lambda peer, sid: group, lambda peer, sid: buffers[sid])
+        >>> recvs = PostedRecvs(lambda peer, sid: group, lambda peer, sid, step: buffers[sid])
         >>> recvs.post(0, slice_id=3, step=7)            # ahead of the sender
         >>> recvs.take(0, slice_id=3, step=7).wait()     # once its header arrived
     """
 
     def __init__(self, group_of: Callable[[int, int], dist.ProcessGroup],
-                 buffer_of: Callable[[int, int], torch.Tensor]):
+                 buffer_of: Callable[[int, int, int], torch.Tensor]):
         self._group_of, self._buffer_of = group_of, buffer_of
         self._works: dict[tuple[int, int, int], Any] = {}
         self._taken: dict[tuple[int, int], int] = {}   # (peer, slice) -> last step taken
@@ -73,7 +74,7 @@ class PostedRecvs:
         with self._lock:
             key = (peer, slice_id, step)
             if key not in self._works and self._taken.get((peer, slice_id), -1) < step:
-                self._works[key] = dist.irecv(self._buffer_of(peer, slice_id), peer,
+                self._works[key] = dist.irecv(self._buffer_of(peer, slice_id, step), peer,
                                               group=self._group_of(peer, slice_id), tag=payload_tag(slice_id))
 
     def take(self, peer: int, slice_id: int, step: int) -> Any:

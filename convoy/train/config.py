@@ -338,12 +338,12 @@ class TrainConfig:
         if servers >= world:
             raise UsageError(f"--servers ({servers}) must be smaller than the number of processes ({world}): "
                              "at least one rank must be a worker")
-        if self.parallel != "data":
-            raise UsageError("--sync ps needs --parallel data")
-        if self.compress != "none":
-            raise UsageError("--sync ps does not support --compress yet")
-        if self.checkpoint_dir is not None:
-            raise UsageError("--checkpoint-dir does not support --sync ps yet")
+        if self.block_selection == "global" and self.compress == "blocktopk":
+            raise UsageError("--block-selection global needs every rank to agree on the blocks (an all-reduce); "
+                             "a parameter server decodes each push alone: use --block-selection local with --sync ps")
+        if self.checkpoint_dir is not None and (servers > 1 or self.parallel != "data"):
+            raise UsageError("--checkpoint-dir with --sync ps needs --servers 1 and --parallel data (the workers' "
+                             "rank files commit in step with one server's file)")
 
     def _validate_hierarchical(self) -> None:
         from convoy.cluster.options import check_cluster_options

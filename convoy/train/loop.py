@@ -16,7 +16,6 @@ from tqdm import tqdm
 from convoy import runtime
 from convoy.checkpoint.export import load_initial_state
 from convoy.checkpoint.session import CheckpointSession, CheckpointSettings, ResumePoint, start_checkpointing
-from convoy.compress import MomentumCorrection, build_compressor
 from convoy.data import DatasetSplits, GlobalBatchSampler, build_dataset, iterate_batches
 from convoy.engine import Engine
 from convoy.engine.gradients import GradientGate, LossScaler
@@ -27,9 +26,10 @@ from convoy.parallel import DataParallel, HybridParallel, HybridRoles, ParallelL
 from convoy.sync import AllReduce, SyncStrategy, ring_allreduce_bytes
 from convoy.train.config import TrainConfig, save_config
 from convoy.train.hierarchical import build_hierarchical
+from convoy.train.ps import build_ps_layout
 from convoy.train.divergence import DivergenceGuard, divergence_hint
 from convoy.train.metrics import MetricsWriter
-from convoy.train.optim import corrects_momentum, lr_lambda, resolve_optimizer, supported_kwargs
+from convoy.train.optim import build_compression, lr_lambda, optimizer_spec
 
 @dataclass
 class RunSummary:
@@ -105,15 +105,6 @@ def run(config: TrainConfig) -> RunSummary:
     return summary
 
 
-def optimizer_spec(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict]:
-    """The optimizer class and the hyper-parameters of it that ``config`` sets."""
-    optimizer_class = resolve_optimizer(config.optimizer)
-    if corrects_momentum(config):   # the workers' error-feedback memory applies both
-        return optimizer_class, {"lr": config.lr, "momentum": 0.0, "weight_decay": 0.0}
-    return optimizer_class, supported_kwargs(optimizer_class, lr=config.lr, momentum=config.momentum,
-                                             weight_decay=config.weight_decay)
-
-
 def start_checkpoints(config: TrainConfig, layout: ParallelLayout, total_steps: int,
                       steps_per_epoch: int) -> CheckpointSession | None:
     """Resume from ``--checkpoint-dir`` if it holds a checkpoint, and checkpoint from now on."""
@@ -133,13 +124,8 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
     scaler = LossScaler() if config.amp == "fp16" else None
 
     def make_engine(part: nn.Module, group: dist.ProcessGroup | None) -> Engine:
-        compressor, memory = build_compressor(
-            config.compress, blocks_per_layer=config.blocks_per_layer, block_fraction=config.block_fraction,
-            block_metric=config.block_metric, block_selection=config.block_selection,
-            block_size=config.block_size, element_fraction=config.element_fraction)
-        if corrects_momentum(config):
-            workers = dist.get_world_size(group) if group is not None else ctx.world_size
-            memory = MomentumCorrection(config.momentum, config.clip_norm, workers, config.weight_decay)
+        workers = dist.get_world_size(group) if group is not None else ctx.world_size
+        compressor, memory = build_compression(config, workers)
         if config.sync == "hierarchical":
             sync: SyncStrategy = build_hierarchical(config, ctx, compressor, memory, total_steps)
         else:
@@ -149,8 +135,6 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
                       gate=GradientGate(config.clip_grad_norm, scaler), **hyper)
 
     if config.sync == "ps":
-        from convoy.train.ps import build_ps_layout
-
         return build_ps_layout(config, model, ctx, total_steps, input_shape)
     if config.parallel == "hybrid":
         roles = HybridRoles(config.conv_workers, config.fc_workers)

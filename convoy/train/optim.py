@@ -60,3 +60,29 @@ def lr_lambda(schedule: str, total_steps: int) -> Callable[[int], float] | None:
     if schedule == "cosine":
         return lambda step: 0.5 * (1.0 + math.cos(math.pi * min(step, total_steps) / total_steps))
     raise UsageError(f"unknown learning-rate schedule {schedule!r}")
+
+
+def optimizer_spec(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The optimizer class and the hyper-parameters of it that ``config`` sets."""
+    optimizer_class = resolve_optimizer(config.optimizer)
+    if corrects_momentum(config):   # the workers' error-feedback memory applies both
+        return optimizer_class, {"lr": config.lr, "momentum": 0.0, "weight_decay": 0.0}
+    return optimizer_class, supported_kwargs(optimizer_class, lr=config.lr, momentum=config.momentum,
+                                             weight_decay=config.weight_decay)
+
+
+def build_compression(config: TrainConfig, workers: int) -> tuple[Any, Any]:
+    """The compressor and error-feedback memory of ``config`` for an exchange among ``workers`` ranks.
+
+    The same objects serve every strategy: all-reduce and hierarchical exchange
+    their payloads, a parameter-server worker pushes them.
+    """
+    from convoy.compress import MomentumCorrection, build_compressor
+
+    compressor, memory = build_compressor(
+        config.compress, blocks_per_layer=config.blocks_per_layer, block_fraction=config.block_fraction,
+        block_metric=config.block_metric, block_selection=config.block_selection,
+        block_size=config.block_size, element_fraction=config.element_fraction)
+    if corrects_momentum(config):
+        memory = MomentumCorrection(config.momentum, config.clip_norm, workers, config.weight_decay)
+    return compressor, memory

@@ -1,0 +1,127 @@
+"""Everything the ranks of a parameter-server job agree on, built once, collectively.
+
+Every rank (servers and workers) builds the same :class:`PSJob` in the same
+order: the channels (process groups), the priority plan (traced on the first
+worker, broadcast), the pull routing (dense parameters, float32 slices) and
+the push routing (gradient rows, byte slices; see :mod:`convoy.ps.push`), and
+for each layer the workers that push it (all of them in data parallelism,
+one group's in a hybrid job).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from convoy.ps.channels import Channels
+from convoy.ps.plan import agree_on_plan
+from convoy.ps.priority import PriorityPlan
+from convoy.ps.push import RowCodec
+from convoy.ps.roles import PSRoles
+from convoy.ps.routing import Routing, build_routing
+from convoy.ps.settings import PSSettings
+from convoy.ps.trace_graph import model_layers
+
+
+@dataclass
+class PSJob:
+    """The job's agreed structure (identical on every rank).
+
+    Attributes:
+        layers: ``(name, module, params)`` of the whole model, in registration order
+            (a layer's index names it on every rank).
+        index_of: ``id(module)`` -> layer index.
+        pull: slices of each layer's parameters (float32), their servers, priorities, channels.
+        push: slices of each layer's gradient row (bytes), same servers and priorities.
+        layer_workers: per layer, the worker ranks that push it and pull it.
+        codec: row widths and decoding contexts per layer and step.
+    """
+
+    roles: PSRoles
+    settings: PSSettings
+    channels: Channels
+    plan: PriorityPlan
+    layers: list[tuple[str, nn.Module, list[nn.Parameter]]]
+    index_of: dict[int, int]
+    pull: Routing
+    push: Routing
+    layer_workers: list[list[int]]
+    codec: RowCodec
+
+    def server_of(self, layer: int) -> int:
+        """The global rank of the server that owns ``layer``."""
+        return self.roles.server_ranks[self.pull.owner[layer]]
+
+    def layers_of(self, server: int) -> list[int]:
+        return self.pull.layers_of(self.roles.server_index(server))
+
+    def shapes(self, layer: int) -> tuple[torch.Size, ...]:
+        return tuple(p.shape for p in self.layers[layer][2])
+
+    def numel(self, layer: int) -> int:
+        return sum(p.numel() for p in self.layers[layer][2])
+
+
+def build_job(model: nn.Module, roles: PSRoles, rank: int, settings: PSSettings, example: torch.Tensor,
+              codec: RowCodec, layer_workers: Sequence[Sequence[int]] | None = None,
+              first_step: int = 0) -> PSJob:
+    """This rank's copy of the job's structure; a collective over the default group.
+
+    Args:
+        layer_workers: per layer of ``model``, the worker ranks that train it
+            (default: every worker trains every layer).
+        first_step: the step training starts at (the push capacity is the densest row from there on).
+    """
+    channels = Channels(roles, settings.channels, rank)
+    plan = agree_on_plan(model, roles, rank, settings.priority, example)
+    layers = model_layers(model)
+    numels = [sum(p.numel() for p in params) for _, _, params in layers]
+    pull = build_routing(numels, plan, settings)
+    capacities = [codec.capacity(i, n, tuple(p.shape for p in layers[i][2]), first_step)
+                  for i, n in enumerate(numels)]
+    push = build_routing(capacities, plan, settings, element_size=1, owner=pull.owner)
+    workers = [list(w) for w in layer_workers] if layer_workers is not None else [roles.workers] * len(layers)
+    return PSJob(roles, settings, channels, plan, layers, {id(m): i for i, (_, m, _) in enumerate(layers)},
+                 pull, push, workers, codec)
+
+
+class Shard(nn.Module):
+    """A server's layers as a module of their own: one child per layer, holding the model's parameters.
+
+    The children are named ``p<layer index>`` and hold the very ``Parameter``
+    objects of the model (no copy), under their own names, so the engine trains
+    exactly the server's share and a checkpoint of it holds nothing else.
+
+    Example::
+
+        >>> shard = Shard(job, [0, 3])
+        >>> [name for name, _ in shard.named_parameters()]
+        ['p0.weight', 'p0.bias', 'p3.weight', 'p3.bias']
+    """
+
+    def __init__(self, job: PSJob, layers: Sequence[int]):
+        super().__init__()
+        self.layer_of: dict[int, int] = {}   # id(child) -> layer index
+        self.full_names: dict[str, str] = {}  # the shard's state_dict keys -> the model's
+        for index in layers:
+            name, module, params = job.layers[index]
+            holder = nn.Module()
+            mine = {id(p) for p in params}
+            for pname, p in module.named_parameters(recurse=False):
+                if id(p) in mine:
+                    holder.register_parameter(pname, p)
+                    prefix = "" if name == "<root>" else name + "."
+                    self.full_names[f"p{index}.{pname}"] = prefix + pname
+            self.add_module(f"p{index}", holder)
+            self.layer_of[id(holder)] = index
+
+    def forward(self, *args: object) -> None:
+        raise RuntimeError("a server's shard is updated, never run")
+
+
+def worker_group(roles: PSRoles) -> dist.ProcessGroup:
+    """The workers' group (evaluation statistics); a collective over the default group."""
+    return dist.new_group(roles.workers)
