@@ -75,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     if launched_by_torchrun():
         run_worker(config)
     check_import_paths(config)
-    if config.parallel == "hybrid" and config.conv_workers + config.fc_workers != config.nproc:
+    extra = (config.servers or 1) if config.sync == "ps" else 0   # parameter servers are ranks of their own
+    if config.parallel == "hybrid" and config.conv_workers + config.fc_workers + extra != config.nproc:
         raise UsageError(f"--conv-workers + --fc-workers ({config.conv_workers + config.fc_workers}) must "
                          f"equal --nproc ({config.nproc})")
     if config.out is None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,3 +43,10 @@ class ParallelLayout(ABC):
     def step_metrics(self, step: int) -> dict[str, Any]:
         """Layout-specific figures of ``step`` for the metrics file (none by default)."""
         return {}
+
+    def save_trace(self, run_dir: Path) -> None:
+        """Write this rank's timeline (``--trace``: the sync strategy's, if it keeps one) into ``run_dir``."""
+        timeline = getattr(self.engine.sync, "timeline", None)
+        if timeline is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            timeline.save(run_dir)

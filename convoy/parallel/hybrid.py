@@ -93,17 +93,19 @@ class HybridParallel(ParallelLayout):
             worker runs the head's forward on each piece as it arrives, so the link
             carries piece k + 1 while piece k is computed on both sides (Dettmers'
             variant). Batch-norm layers then see K smaller batches.
+        servers: parameter-server ranks after the conv and FC ranks (``--sync ps``);
+            they take part in this layout's collectives (convoy.parallel.ps.HybridServer).
     """
 
     def __init__(self, model: nn.Module, roles: HybridRoles, rank: int, input_shape: tuple[int, ...],
                  make_engine: EngineFactory, split_at: str | None = None,
-                 loss_fn: Callable = nn.functional.cross_entropy, sub_batches: int = 1):
+                 loss_fn: Callable = nn.functional.cross_entropy, sub_batches: int = 1, servers: int = 0):
         if sub_batches < 1:
             raise UsageError(f"--sub-batches must be >= 1, got {sub_batches}")
         self.sub_batches = sub_batches
-        if roles.world_size != dist.get_world_size():
-            raise UsageError(f"--conv-workers + --fc-workers = {roles.world_size} but the job has "
-                             f"{dist.get_world_size()} processes")
+        if roles.world_size + servers != dist.get_world_size():
+            raise UsageError(f"--conv-workers + --fc-workers{' + --servers' if servers else ''} = "
+                             f"{roles.world_size + servers} but the job has {dist.get_world_size()} processes")
         self.roles, self.rank, self.loss_fn = roles, rank, loss_fn
         features, head = split_point(model, split_at)
         with torch.no_grad():

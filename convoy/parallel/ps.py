@@ -11,7 +11,6 @@ nothing); the full state comes from the first worker.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -161,8 +160,45 @@ class ParameterServerLayout(ParallelLayout):
         dist.broadcast_object_list(state, src=self.roles.first_worker)
         return state[0] if self.rank == 0 else None
 
-    def save_trace(self, run_dir: Path) -> None:
-        """Write this rank's timeline (``--trace``) into ``run_dir``."""
-        if self.timeline is not None:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self.timeline.save(run_dir)
+
+class HybridServer(ParallelLayout):
+    """A server rank of a hybrid job under ``--sync ps``: serves the conv layers to the conv group and
+    the FC head to the FC group, and takes part in the hybrid layout's collectives.
+
+    The servers are the job's last ranks, so the conv ranks (0..I-1) and FC ranks
+    (I..I+J-1) are where :class:`~convoy.parallel.hybrid.HybridParallel` expects
+    them. Each layer is averaged over the group that trains it.
+
+    Args:
+        job: the job's structure (built with the conv layers' workers and the head's).
+        rank: this server's global rank.
+        conv_ranks, fc_ranks: the two groups (created here too: group creation is collective).
+        optimizer_class, hyper, lr_lambda: the update the server runs.
+        timeline: records spans for the Chrome trace, or ``None``.
+    """
+
+    def __init__(self, job: PSJob, rank: int, conv_ranks: list[int], fc_ranks: list[int],
+                 optimizer_class: type[torch.optim.Optimizer], hyper: dict[str, Any],
+                 lr_lambda: Callable[[int], float] | None = None, timeline: Timeline | None = None):
+        self.job, self.rank, self.timeline = job, rank, timeline
+        self._fc_first = fc_ranks[0]
+        dist.new_group(conv_ranks)   # the same groups, in the same order, as HybridParallel
+        dist.new_group(fc_ranks)
+        self.data_rank, self.data_world_size = 0, len(conv_ranks)
+        self.engine = server_engine(job, rank, optimizer_class, hyper, lr_lambda, timeline)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
+        self.engine.run_step()
+        return 0.0, 0
+
+    def evaluate(self, test: torch.utils.data.Dataset, device: torch.device) -> tuple[float, float]:
+        self.engine.synchronize()
+        return finish(torch.zeros(3, dtype=torch.float64))   # the workers score; the server adds nothing
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        head: list[Any] = [None]
+        dist.broadcast_object_list(head, src=self._fc_first)   # HybridParallel's collective
+        return None
+
+    def step_metrics(self, step: int) -> dict[str, Any]:
+        return {"role": "server"}

@@ -338,6 +338,11 @@ class TrainConfig:
         if servers >= world:
             raise UsageError(f"--servers ({servers}) must be smaller than the number of processes ({world}): "
                              "at least one rank must be a worker")
+        if self.parallel == "hybrid" and self.conv_workers and self.fc_workers \
+                and self.conv_workers + self.fc_workers + servers != world:
+            raise UsageError(f"--parallel hybrid --sync ps needs --nproc = --conv-workers + --fc-workers + --servers "
+                             f"= {self.conv_workers + self.fc_workers + servers} (the servers are the last ranks), "
+                             f"got {world}")
         if self.block_selection == "global" and self.compress == "blocktopk":
             raise UsageError("--block-selection global needs every rank to agree on the blocks (an all-reduce); "
                              "a parameter server decodes each push alone: use --block-selection local with --sync ps")

@@ -26,7 +26,7 @@ from convoy.parallel import DataParallel, HybridParallel, HybridRoles, ParallelL
 from convoy.sync import AllReduce, SyncStrategy, ring_allreduce_bytes
 from convoy.train.config import TrainConfig, save_config
 from convoy.train.hierarchical import build_hierarchical
-from convoy.train.ps import build_ps_layout
+from convoy.train.ps import build_hybrid_ps_layout, build_ps_layout
 from convoy.train.divergence import DivergenceGuard, divergence_hint
 from convoy.train.metrics import MetricsWriter
 from convoy.train.optim import build_compression, lr_lambda, optimizer_spec
@@ -62,9 +62,11 @@ def run(config: TrainConfig) -> RunSummary:
     if config.init_from is not None:
         load_initial_state(model, config.init_from)
     broadcast_parameters(model)
-    data_world = config.conv_workers if config.parallel == "hybrid" else ctx.world_size
+    data_world = ctx.world_size
     if config.sync == "ps":   # servers read no data: the workers split every batch
         data_world = ctx.world_size - (config.servers or 1)
+    if config.parallel == "hybrid":
+        data_world = config.conv_workers
     # A step's samples per worker: --grad-accum micro-batches of --batch-size.
     step_batch = config.batch_size * config.grad_accum
     steps_per_epoch = len(GlobalBatchSampler(len(splits.train), step_batch, data_world, 0, config.seed))
@@ -134,6 +136,8 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
                       lr_lambda=lr_lambda(config.lr_schedule, total_steps),
                       gate=GradientGate(config.clip_grad_norm, scaler), **hyper)
 
+    if config.sync == "ps" and config.parallel == "hybrid":
+        return build_hybrid_ps_layout(config, model, ctx, total_steps, input_shape)
     if config.sync == "ps":
         return build_ps_layout(config, model, ctx, total_steps, input_shape)
     if config.parallel == "hybrid":

@@ -1,12 +1,22 @@
-"""The parameter-server layout of a training job (``--sync ps``), from a TrainConfig."""
+"""The parameter-server layouts of a training job (``--sync ps``, data or hybrid parallel), from a TrainConfig."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from convoy import runtime
-from convoy.parallel.ps import ParameterServerLayout
+from convoy.engine import Engine
+from convoy.models import split_point
+from convoy.parallel import HybridParallel, HybridRoles, ParallelLayout
+from convoy.parallel.ps import HybridServer, ParameterServerLayout, worker_engine
+from convoy.ps.job import build_job
+from convoy.ps.push import RowCodec
+from convoy.ps.roles import PSRoles
 from convoy.ps.settings import PSSettings
+from convoy.ps.timeline import Timeline
+from convoy.ps.trace_graph import model_layers
+from convoy.sync.allreduce import AllReduce
 from convoy.train.config import TrainConfig
 from convoy.train.optim import build_compression, lr_lambda, optimizer_spec
 
@@ -32,3 +42,40 @@ def build_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context,
                                  example_batch(config, input_shape, ctx.device),
                                  lr_lambda(config.lr_schedule, total_steps), compressor=compressor, memory=memory,
                                  warmup_steps=config.warmup())
+
+
+def build_hybrid_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, total_steps: int,
+                           input_shape: tuple[int, ...]) -> ParallelLayout:
+    """Hybrid parallelism whose two groups exchange through parameter servers (the job's last ranks).
+
+    Conv ranks push the conv layers and FC ranks the head, each to the layer's
+    server; each layer is averaged over the group that trains it. The servers
+    are the last ``--servers`` ranks, so the conv and FC ranks stay where the
+    hybrid layout puts them.
+    """
+    settings = ps_settings(config)
+    roles = HybridRoles(config.conv_workers, config.fc_workers)
+    conv_ranks = list(range(roles.conv_workers))
+    fc_ranks = list(range(roles.conv_workers, roles.world_size))
+    features, _ = split_point(model, config.split_at)
+    in_features = {id(m) for m in features.modules()}
+    ps_roles = PSRoles(settings.servers, ctx.world_size, servers_last=True)
+    layer_workers = [conv_ranks if id(module) in in_features else fc_ranks for _, module, _ in model_layers(model)]
+    optimizer_class, hyper = optimizer_spec(config)
+    compressor, memory = build_compression(config, roles.conv_workers)
+    schedule = lr_lambda(config.lr_schedule, total_steps)
+    codec = RowCodec(AllReduce(None, compressor, None, config.warmup()))
+    job = build_job(model, ps_roles, ctx.rank, settings, example_batch(config, input_shape, ctx.device), codec,
+                    layer_workers)
+    timeline = (Timeline(ctx.rank, "server" if ps_roles.is_server(ctx.rank) else "worker", settings.trace_steps)
+                if settings.trace_steps else None)
+    if ps_roles.is_server(ctx.rank):
+        return HybridServer(job, ctx.rank, conv_ranks, fc_ranks, optimizer_class, hyper, schedule, timeline)
+
+    def make_engine(part: nn.Module, group: dist.ProcessGroup) -> Engine:
+        part_compressor, part_memory = build_compression(config, dist.get_world_size(group))
+        return worker_engine(job, ctx.rank, part, optimizer_class, hyper, schedule, part_compressor, part_memory,
+                             config.warmup(), timeline)
+
+    return HybridParallel(model, roles, ctx.rank, input_shape, make_engine, config.split_at,
+                          sub_batches=config.sub_batches, servers=settings.servers)
