@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from convoy.compress import BlockTopKCompressor, ResidualMemory
 from convoy.engine import Engine
 from convoy.parallel.ps import ParameterServerLayout
 from convoy.ps import PSSettings
@@ -58,10 +59,18 @@ def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _train_ps(rank: int, world: int, servers: int, mode: str, kwargs: dict, trace_dir: str | None):
+def _sparse():
+    """A compressor whose payloads differ between ranks (gathered, not summed), with error feedback."""
+    return BlockTopKCompressor(fraction=0.25), ResidualMemory()
+
+
+def _train_ps(rank: int, world: int, servers: int, mode: str, kwargs: dict, trace_dir: str | None,
+              compressed: bool = False):
     settings = PSSettings.resolve(servers=servers, priority=mode, trace_steps=2 if trace_dir else 0, **kwargs)
     model = _model("lenet")
-    layout = ParameterServerLayout(model, settings, rank, world, torch.optim.SGD, HYPER, torch.zeros(BATCH, 1, 32, 32))
+    compressor, memory = _sparse() if compressed else (None, None)
+    layout = ParameterServerLayout(model, settings, rank, world, torch.optim.SGD, HYPER, torch.zeros(BATCH, 1, 32, 32),
+                                   compressor=compressor, memory=memory)
     for x, y in _batches(world - servers, layout.data_rank):
         layout.train_step(x, y)
     layout.engine.synchronize()
@@ -70,20 +79,22 @@ def _train_ps(rank: int, world: int, servers: int, mode: str, kwargs: dict, trac
     if trace_dir:
         layout.save_trace(Path(trace_dir))
     state = layout.full_state_dict()
-    if not layout.is_server:   # what went over the wire in the last step
-        pieces = sum(len(p) for p in layout.routing.table)
-        expected = 4 * sum(p.numel() for p in model.parameters()) + HEADER_BYTES * pieces
-        return stats.bytes_sent == stats.bytes_received == expected
+    if not layout.is_server and not compressed:   # what went over the wire in the last step
+        params = 4 * sum(p.numel() for p in model.parameters())
+        pulled = params + HEADER_BYTES * sum(len(p) for p in layout.job.pull.table)
+        # A push is a row: one int64 size per payload tensor (dense: one), then the values.
+        pushed = params + 8 * len(layout.job.layers) + HEADER_BYTES * sum(len(p) for p in layout.job.push.table)
+        return stats.bytes_received == pulled and stats.bytes_sent == pushed
     return None if state is None else torch.cat([t.reshape(-1) for t in state.values()])
 
 
-def _train_allreduce(rank: int, servers: int, world: int):
+def _train_allreduce(rank: int, servers: int, world: int, compressed: bool = False):
     workers = list(range(servers, world))
     group = dist.new_group(workers)   # every rank takes part in creating it
     if rank not in workers:
         return None
     model = _model("lenet")
-    engine = Engine(model, torch.optim.SGD, AllReduce(group), **HYPER)
+    engine = Engine(model, torch.optim.SGD, AllReduce(group, *(_sparse() if compressed else ())), **HYPER)
     for x, y in _batches(len(workers), rank - servers):
         engine.backward(F.cross_entropy(model(x), y))
     engine.synchronize()
@@ -126,6 +137,8 @@ def _job(rank: int, world: int, out_dir: str):
             traced = (servers, mode) == TRACED
             results[(servers, mode)] = _train_ps(rank, world, servers, mode, kwargs, out_dir if traced else None)
         results[(servers, "allreduce")] = _train_allreduce(rank, servers, world)
+    results["ps-blocktopk"] = _train_ps(rank, world, 1, "graph", MODES[1][1], None, compressed=True)
+    results["allreduce-blocktopk"] = _train_allreduce(rank, 1, world, compressed=True)
     return results
 
 
@@ -145,6 +158,15 @@ def test_ps_equals_data_parallel_allreduce(job, servers):
     assert (reference - _flat(_model("lenet"))).abs().max().item() > 1e-3   # it trained
     for worker in range(servers, WORLD):   # each worker pushed and pulled every slice once
         assert all(results[worker][(servers, mode)] is True for mode, _ in MODES)
+
+
+def test_compressed_pushes_equal_allreduce_with_the_same_compressor(job):
+    """Pushes go through the same compressor and error-feedback memory as all-reduce, and the server
+    sums the workers' decoded rows in worker order as all-reduce's gather does: the same training."""
+    results, _ = job
+    reference = results[1]["allreduce-blocktopk"]
+    assert (results[0]["ps-blocktopk"] - reference).abs().max().item() <= 1e-5
+    assert (reference - results[1][(1, "allreduce")]).abs().max().item() > 1e-4   # compression changed it
 
 
 def test_scheduler_sends_by_priority_and_preempts_at_slice_boundaries(job):

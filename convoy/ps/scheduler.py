@@ -20,9 +20,8 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from convoy.core import POLL_S, wait_until
 from convoy.ps.wire import HEADER_BYTES, HEADER_TAG, RING, STOP, header, payload_tag
-
-_POLL_S = 0.5
 
 
 class TransferError(RuntimeError):
@@ -118,9 +117,8 @@ class SliceScheduler:
 
     def drain(self) -> None:
         """Block until every submitted transfer has completed."""
+        wait_until(self._cond, lambda: not (self._queue or self._issuing or self._in_flight) or self.error is not None)
         with self._cond:
-            while (self._queue or self._issuing or self._in_flight) and self.error is None:
-                self._cond.wait(_POLL_S)
             self._raise_if_failed()
 
     def close(self) -> None:
@@ -132,7 +130,7 @@ class SliceScheduler:
                 self._stopping = True
                 self._cond.notify_all()
             for thread in self._threads:
-                thread.join(timeout=5 * _POLL_S)
+                thread.join(timeout=5 * POLL_S)
 
     def _raise_if_failed(self) -> None:
         if self.error is not None:
@@ -162,7 +160,7 @@ class SliceScheduler:
                 while not self._may_issue():
                     if self._stopping or self.error is not None:
                         return
-                    self._cond.wait(_POLL_S)
+                    self._cond.wait(POLL_S)
                 transfer = heapq.heappop(self._queue).transfer
                 self._in_flight_bytes += transfer.nbytes
                 self._issuing += 1
@@ -191,7 +189,7 @@ class SliceScheduler:
                 while not self._in_flight:
                     if self._stopping or self.error is not None:
                         return
-                    self._cond.wait(_POLL_S)
+                    self._cond.wait(POLL_S)
                 transfer, works, issued_at = self._in_flight[0]
             try:
                 for work in works:

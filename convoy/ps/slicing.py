@@ -69,17 +69,3 @@ def split(flat: torch.Tensor, pieces: Sequence[Slice]) -> list[torch.Tensor]:
 def join(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """The flat vector the slices came from."""
     return torch.cat([p.reshape(-1) for p in parts])
-
-
-def flatten_params(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A layer's parameters as one flat vector (a copy), weight then bias."""
-    return torch.cat([p.detach().reshape(-1) for p in params])
-
-
-def unflatten_into(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
-    """Copy ``flat`` back into ``params`` (the inverse of ``flatten_params``)."""
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()

@@ -3,6 +3,6 @@ from convoy.sync.allreduce import AllReduce, ring_allreduce_bytes
 from convoy.sync.base import PendingSync, SyncStrategy
 from convoy.sync.hierarchical import Hierarchical
 
-SYNC_NAMES = ("allreduce", "hierarchical", "ps")  # ps: a parallel layout of its own (convoy.parallel.ps)
+SYNC_NAMES = ("allreduce", "hierarchical", "ps")  # ps: strategies in convoy.ps, laid out by convoy.parallel.ps
 
 __all__ = ["SYNC_NAMES", "AllReduce", "Hierarchical", "PendingSync", "SyncStrategy", "ring_allreduce_bytes"]

@@ -1,0 +1,1 @@
+"""Training jobs from a configuration: the loop, the layouts it builds, metrics and scoring."""
