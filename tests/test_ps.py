@@ -158,6 +158,24 @@ def test_settings_resolve_per_mode_and_reject_bad_values():
     with pytest.raises(UsageError, match="must be smaller than the number of processes"):
         PSRoles(servers=3, world_size=3)
     assert PSRoles(2, 5).workers == [2, 3, 4]
+    last = PSRoles(1, 4, servers_last=True)   # hybrid: conv and FC ranks first
+    assert (last.server_ranks, last.workers, last.server_index(3), last.worker_index(2)) == ([3], [0, 1, 2], 0, 2)
+
+
+def test_push_rows_cover_their_width_with_fixed_slices():
+    from convoy.compress import BlockTopKCompressor, IdentityCompressor
+    from convoy.ps.push import RowCodec, pieces_within
+    from convoy.sync import AllReduce
+
+    shapes = (torch.Size([6, 1, 5, 5]), torch.Size([6]))
+    dense = RowCodec(AllReduce(None, IdentityCompressor()))
+    assert dense.row(0, 156, shapes, step=0)[0] == 8 + 4 * 156 == dense.capacity(0, 156, shapes, 0)
+    sparse = RowCodec(AllReduce(None, BlockTopKCompressor(fraction=0.1), warmup_steps=4))
+    widths = [sparse.row(0, 156, shapes, step)[0] for step in range(6)]
+    assert widths == sorted(widths, reverse=True) and widths[-1] < widths[0] <= sparse.capacity(0, 156, shapes, 0)
+    pieces = slice_table([sparse.capacity(0, 156, shapes, 0)], slice_bytes=64, element_size=1)[0]
+    covered = pieces_within(pieces, widths[-1])
+    assert sum(size for _, size in covered) == widths[-1] and len(covered) < len(pieces)
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -166,6 +184,11 @@ def test_settings_resolve_per_mode_and_reject_bad_values():
     (["--slice-kb", "0"], "--slice-kb must be > 0"),
     (["--credit-kb", "-4"], "--credit-kb must be > 0"),
     (["--priority", "lifo"], "unknown --priority 'lifo'"),
+    (["--nproc", "3", "--compress", "blocktopk", "--block-selection", "global"],
+     "--block-selection global needs every rank to agree"),
+    (["--nproc", "4", "--servers", "2", "--checkpoint-dir", "ckpt-never-made"], "needs --servers 1"),
+    (["--nproc", "3", "--parallel", "hybrid", "--conv-workers", "2", "--fc-workers", "1"],
+     "needs --nproc = --conv-workers + --fc-workers + --servers = 4"),
 ])
 def test_bad_ps_input_is_one_line_and_exit_2(args, expected, capsys):
     from convoy.cli.main import main

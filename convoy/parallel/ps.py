@@ -129,7 +129,9 @@ class ParameterServerLayout(ParallelLayout):
     def checkpoint_scope(self) -> tuple[nn.Module, list[int] | None, dict[str, str] | None]:
         """One server: every rank checkpoints the server's shard, the server writing it (its parameters and
         optimizer state), the workers their own state (residuals, RNG, buffers) into their rank files."""
-        shard = self.engine.model if self.is_server else Shard(self.job, self.job.layers_of(self.roles.server_ranks[0]))
+        if self.is_server:
+            return self.engine.model, None, self.engine.model.full_names
+        shard = Shard(self.job, self.job.layers_of(self.roles.server_ranks[0]), buffers_of=self.model)
         return shard, None, shard.full_names
 
     # ----------------------------------------------------------- evaluation

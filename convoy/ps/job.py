@@ -93,7 +93,10 @@ class Shard(nn.Module):
 
     The children are named ``p<layer index>`` and hold the very ``Parameter``
     objects of the model (no copy), under their own names, so the engine trains
-    exactly the server's share and a checkpoint of it holds nothing else.
+    exactly the server's share and a checkpoint of it holds nothing else. With
+    ``buffers_of``, the shard also mirrors that model's buffers under their own
+    names (modules without parameters), so a worker's rank file, which keeps
+    the buffers of the module it checkpoints, restores its batch-norm statistics.
 
     Example::
 
@@ -102,7 +105,7 @@ class Shard(nn.Module):
         ['p0.weight', 'p0.bias', 'p3.weight', 'p3.bias']
     """
 
-    def __init__(self, job: PSJob, layers: Sequence[int]):
+    def __init__(self, job: PSJob, layers: Sequence[int], buffers_of: nn.Module | None = None):
         super().__init__()
         self.layer_of: dict[int, int] = {}   # id(child) -> layer index
         self.full_names: dict[str, str] = {}  # the shard's state_dict keys -> the model's
@@ -117,6 +120,15 @@ class Shard(nn.Module):
                     self.full_names[f"p{index}.{pname}"] = prefix + pname
             self.add_module(f"p{index}", holder)
             self.layer_of[id(holder)] = index
+        if buffers_of is not None:
+            for name, buffer in buffers_of.named_buffers():
+                *path, leaf = name.split(".")
+                parent: nn.Module = self
+                for part in path:
+                    if not hasattr(parent, part):
+                        parent.add_module(part, nn.Module())
+                    parent = getattr(parent, part)
+                parent.register_buffer(leaf, buffer)
 
     def forward(self, *args: object) -> None:
         raise RuntimeError("a server's shard is updated, never run")
