@@ -183,15 +183,7 @@ class Engine:
         step = self.step
         self._steps.put(step)
         torch.autograd.backward(loss, grad)
-        now = time.perf_counter()
-        with self._cond:
-            self._backward_done = step
-            stats = self._stats.setdefault(step, StepStats(step))
-            stats.wall_s, stats.wait_s = now - self._last_backward_end, self._wait_s
-            self._cond.notify_all()
-        self._last_backward_end = now
-        self._wait_s = 0.0
-        self.step += 1
+        self._handed_over(step)
 
     def run_step(self) -> None:
         """Start a step whose gradients come from the sync strategy, not from a local backward.
@@ -203,15 +195,19 @@ class Engine:
         if self._recorder is not None:
             self._build_layers()
         self._raise_if_failed()
-        step = self.step
-        self._steps.put(step)
+        self._steps.put(self.step)
+        self._handed_over(self.step)
+
+    def _handed_over(self, step: int) -> None:
+        """``step``'s gradients are all there (backward returned): stage 1 is over for every layer."""
         now = time.perf_counter()
         with self._cond:
             self._backward_done = step
             stats = self._stats.setdefault(step, StepStats(step))
-            stats.wall_s = now - self._last_backward_end
+            stats.wall_s, stats.wait_s = now - self._last_backward_end, self._wait_s
             self._cond.notify_all()
         self._last_backward_end = now
+        self._wait_s = 0.0
         self.step += 1
 
     def accumulate(self, loss: torch.Tensor) -> None:

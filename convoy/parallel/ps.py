@@ -20,6 +20,7 @@ from torch import nn
 from convoy.compress import Compressor, Memory
 from convoy.data import shard_indices
 from convoy.engine import Engine
+from convoy.errors import UsageError
 from convoy.parallel.base import ParallelLayout
 from convoy.ps.job import PSJob, Shard, build_job, worker_group
 from convoy.ps.push import RowCodec
@@ -37,6 +38,9 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def server_engine(job: PSJob, rank: int, optimizer_class: type[torch.optim.Optimizer], hyper: dict[str, Any],
                   lr_lambda: Callable[[int], float] | None, timeline: Timeline | None) -> Engine:
     """The engine of server ``rank``: its shard, updated as the workers' pushes arrive."""
+    if not job.layers_of(rank):
+        raise UsageError(f"--servers {job.roles.servers}: server rank {rank} would hold no layer (the model has "
+                         f"{len(job.layers)}); use fewer servers")
     shard = Shard(job, job.layers_of(rank))
     sync = ServeShard(job, rank, shard, timeline)
     return Engine(shard, optimizer_class, sync, listeners=sync.listeners(), lr_lambda=lr_lambda, bucket_bytes=0,

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from convoy.core import Listener, PendingSync, StepStats, SyncStrategy
+from convoy.core import Listener, PendingSync, SyncStrategy
 from convoy.ps.job import PSJob, Shard
 from convoy.ps.progress import ps_waiter
 from convoy.ps.push import pieces_within
@@ -220,6 +220,3 @@ class Reply(Listener):
 
     def on_layer_updated(self, layer: Any, step: int) -> None:
         self.serve.reply(self.serve.shard.layer_of[id(layer.module)], step)
-
-    def on_step_end(self, step: int, stats: StepStats) -> None:
-        pass
