@@ -54,7 +54,7 @@ class PushPull(AllReduce):
         job: the job's agreed structure (channels, routings, layer workers).
         rank: this worker's global rank.
         model: the module this worker trains (the whole model, or a hybrid part);
-            it gets a pre-hook that announces each training step to the servers.
+            its layers get forward hooks that announce each training step to the servers.
         compressor, memory, warmup_steps: as for :class:`AllReduce`.
         timeline: records spans for the Chrome trace, or ``None``.
 
@@ -95,7 +95,8 @@ class PushPull(AllReduce):
             for server in self._servers for c in range(channels.count)]
         for receiver in self._receivers:
             receiver.start()
-        self._handles = [model.register_forward_pre_hook(self._announce_hook, prepend=True)]
+        self._handles = [module.register_forward_hook(self._announce_hook(self.job.index_of[id(module)]))
+                         for module in model.modules() if id(module) in self.job.index_of]
         if timeline is not None:
             self._handles += self._compute_hooks(model)
 
@@ -180,9 +181,16 @@ class PushPull(AllReduce):
         self._handles.clear()
 
     # -------------------------------------------------------- announcements
-    def _announce_hook(self, module: nn.Module, args: Any) -> None:
-        if module.training:   # the first training forward of a step: pushes will follow
-            self._announce(self._announced + 1)
+    def _announce_hook(self, layer: int) -> Callable[..., None]:
+        # After a layer's training forward its previous exchange has ended (the
+        # engine's wait saw to it), so its exchange count is the step being
+        # computed: announce it (once), and the servers post its push receives
+        # while the rest of forward and backward run. Called per forward, so a
+        # part run on several pieces of a batch (hybrid) still announces once.
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if module.training:
+                self._announce(self._exchanges.get(layer, self._first_step))
+        return hook
 
     def _announce(self, step: int) -> None:
         with self._announce_lock:
