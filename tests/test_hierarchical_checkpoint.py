@@ -25,6 +25,8 @@ from convoy.checkpoint.listener import committed_step
 from test_cli import convoy
 from test_hierarchical import profile_toml
 
+# A job starts in seconds alone, in minutes on a machine shared with other test runs.
+RUN_TIMEOUT_S = 600
 STEPS = 60
 JOB = ("--nproc", "4", "--sync", "hierarchical", "--clusters", "2", "--exchange-every", "2", "--batch-size", "8",
        "--steps", str(STEPS), "--no-progress")
@@ -36,7 +38,7 @@ def _kill_after_a_random_checkpoint(args: list[str], checkpoints: Path, rng: ran
     launcher = subprocess.Popen([sys.executable, "-m", "convoy", "train", *args], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
     target = rng.randrange(2, STEPS // 2, 2)   # checkpoints fall on exchange steps: even counts
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + RUN_TIMEOUT_S
     while min((committed_step(p) for p in checkpoints.glob("model-rank*.ckpt")), default=-1) < target:
         assert launcher.poll() is None, launcher.stderr.read()
         assert time.monotonic() < deadline, "the job never reached its checkpoint"
@@ -58,14 +60,14 @@ def _process(pid: int) -> psutil.Process | None:
         return None
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_sigkilled_hierarchical_job_resumes_bit_identical(tmp_path):
     first, other = tmp_path / "first.toml", tmp_path / "other.toml"
     first.write_text(profile_toml(slow=(1, 3)))    # clusters {0, 2} and {1, 3}
     other.write_text(profile_toml(slow=(2, 3)))    # would be {0, 1} and {2, 3}
     checkpoints = tmp_path / "ckpt"
 
-    whole = convoy("train", *JOB, "--node-profile", str(first), "--out", str(tmp_path / "whole"))
+    whole = convoy("train", *JOB, "--node-profile", str(first), "--out", str(tmp_path / "whole"), timeout=RUN_TIMEOUT_S)
     assert whole.returncode == 0, whole.stderr
 
     target = _kill_after_a_random_checkpoint(
@@ -75,7 +77,7 @@ def test_sigkilled_hierarchical_job_resumes_bit_identical(tmp_path):
     assert sorted(p.name for p in checkpoints.glob("model-rank*.ckpt")) == ["model-rank0.ckpt", "model-rank1.ckpt"]
 
     resumed = convoy("train", *JOB, "--node-profile", str(other), "--checkpoint-dir", str(checkpoints),
-                     "--out", str(tmp_path / "b"))
+                     "--out", str(tmp_path / "b"), timeout=RUN_TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr
     step = int(resumed.stderr.split("resumed from")[1].split("at step ")[1].split()[0])
     assert target <= step < STEPS and step % 2 == 0, resumed.stderr

@@ -159,9 +159,8 @@ class Hierarchical(AllReduce):
     def checkpoint_period(self, every: int) -> int:
         """``every`` rounded up to whole exchange cycles: checkpoints fall on exchange steps,
         where every cluster holds the same (combined) parameters, so the clusters' model
-        files hold one model and an export of any of them is the job's model."""
-        if len(self.plan.clusters) == 1:
-            return every
+        files hold one model and an export of any of them is the job's model. Rounded also
+        for one cluster, so that both groups of a hybrid job checkpoint at the same steps."""
         return -(-every // self.exchange_every) * self.exchange_every
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
