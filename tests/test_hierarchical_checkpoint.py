@@ -67,7 +67,8 @@ def test_sigkilled_hierarchical_job_resumes_bit_identical(tmp_path):
     other.write_text(profile_toml(slow=(2, 3)))    # would be {0, 1} and {2, 3}
     checkpoints = tmp_path / "ckpt"
 
-    whole = convoy("train", *JOB, "--node-profile", str(first), "--out", str(tmp_path / "whole"), timeout=RUN_TIMEOUT_S)
+    whole = convoy("train", *JOB, "--node-profile", str(first), "--out", str(tmp_path / "whole"),
+                   timeout=RUN_TIMEOUT_S)
     assert whole.returncode == 0, whole.stderr
 
     target = _kill_after_a_random_checkpoint(

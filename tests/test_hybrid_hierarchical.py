@@ -30,7 +30,8 @@ def test_hierarchical_inside_the_conv_group_of_a_hybrid_job(tmp_path):
     run, checkpoints = tmp_path / "run", tmp_path / "ckpt"
     result = convoy("train", "--nproc", "5", "--parallel", "hybrid", "--conv-workers", "4", "--fc-workers", "1",
                     "--sync", "hierarchical", "--clusters", "2", "--exchange-every", "2", "--node-profile",
-                    str(profile), "--checkpoint-dir", str(checkpoints), *COMMON, "--out", str(run), timeout=RUN_TIMEOUT_S)
+                    str(profile), "--checkpoint-dir", str(checkpoints), *COMMON, "--out", str(run),
+                    timeout=RUN_TIMEOUT_S)
     assert result.returncode == 0, result.stderr
     for rank, cluster in ((0, 0), (2, 0), (1, 1), (3, 1)):
         for s in _steps(run, rank):
