@@ -38,3 +38,10 @@ def test_the_cli_refuses_a_bad_shape_before_any_worker_starts():
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert "--clusters 3 is more than the 2 conv workers" in line
+
+
+def test_hybrid_servers_come_after_the_conv_and_fc_workers():
+    shape = JobShape(4, servers=1, conv_workers=2, fc_workers=1)
+    assert shape.engine_groups == [[0, 1], [2]] and shape.workers == [0, 1]
+    with pytest.raises(UsageError, match=re.escape("--conv-workers + --fc-workers + --servers = 4 but the job has 3")):
+        JobShape(3, servers=1, conv_workers=2, fc_workers=1)

@@ -32,10 +32,10 @@ class JobShape:
 
     Args:
         world_size: the job's processes.
-        servers: ``--sync ps``: ranks 0..S-1 serve parameters and read no data (0: none).
-        conv_workers, fc_workers: ``--parallel hybrid``: I conv workers and J FC
-            workers, after the servers if any (ranks S..S+I-1 and S+I..S+I+J-1);
-            0 and 0: data parallelism.
+        servers: ``--sync ps``: S ranks serve parameters and read no data (0: none):
+            ranks 0..S-1, or in a hybrid job the last S ranks.
+        conv_workers, fc_workers: ``--parallel hybrid``: I conv workers (ranks
+            0..I-1) and J FC workers (ranks I..I+J-1); 0 and 0: data parallelism.
         clusters: ``--sync hierarchical``: K clusters in every engine group of
             more than one rank, or ``"auto"``; 1 without hierarchical sync.
 
@@ -110,8 +110,8 @@ class JobShape:
     def engine_groups(self) -> list[list[int]]:
         """The ranks of each engine's group, whose gradients are averaged together."""
         if self.hybrid:
-            fc = self.servers + self.conv_workers
-            return [list(range(self.servers, fc)), list(range(fc, self.world_size))]
+            fc = self.conv_workers
+            return [list(range(fc)), list(range(fc, fc + self.fc_workers))]
         return [list(range(self.world_size))]
 
     def group_of(self, rank: int) -> list[int]:
