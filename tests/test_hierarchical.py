@@ -160,3 +160,18 @@ def test_bad_input_is_one_line_and_exit_2(args, expected, tmp_path, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("convoy: error: ") and expected in err[0], err
+
+
+def test_a_plan_moves_to_global_ranks_and_round_trips_through_tensors():
+    from convoy.cluster.plan import clusters_from_tensors
+
+    profiles = [NodeProfile(r, "h", 3000.0, 16.0, 0.0, 0.0, 400.0, 50.0 if r == 1 else 1000.0) for r in range(3)]
+    plan = make_plan(profiles, dict(DEFAULT_WEIGHTS), 2, seed=0, reelect_every=1, server_choice="capable")
+    moved = plan.on_ranks([4, 5, 6])   # a hybrid job's FC group
+    assert moved.clusters == [[4 + r for r in members] for members in plan.clusters]
+    for cycle in range(3):   # the same election, on the group's global ranks
+        assert moved.servers(cycle) == [4 + s for s in plan.servers(cycle)]
+    clusters, capability = clusters_from_tensors(moved.as_tensors())
+    assert clusters == moved.clusters
+    restored = plan.with_clusters(clusters, capability)
+    assert restored.clusters == moved.clusters and restored.servers(0) == moved.servers(0)

@@ -1,9 +1,10 @@
 """From profiles to clusters and servers, computed once on rank 0 and broadcast."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from convoy.cluster.clustering import cluster_vectors
@@ -41,6 +42,48 @@ class ClusterPlan:
     def servers(self, cycle: int = 0) -> list[int]:
         return self.election.servers(cycle)
 
+    def on_ranks(self, ranks: list[int]) -> "ClusterPlan":
+        """This plan for a part of the job whose i-th node is global rank ``ranks[i]``.
+
+        A plan is made over positions 0..n-1 of the profiles it is given; a
+        hybrid job plans its conv group and its FC group separately, and each
+        group's strategy talks to global ranks.
+
+        Example::
+
+            >>> plan.clusters, plan.on_ranks([4, 5, 6]).clusters
+            ([[0, 2], [1]], [[4, 6], [5]])
+        """
+        clusters = [[ranks[i] for i in members] for members in self.clusters]
+        capability = {ranks[i]: value for i, value in enumerate(self.election.capability)}
+        return self.with_clusters(clusters, capability)
+
+    def with_clusters(self, clusters: list[list[int]], capability: dict[int, float]) -> "ClusterPlan":
+        """This plan with other clusters (and the per-rank capability the ``capable`` election reads)."""
+        # The election indexes capability by rank: ranks outside the plan get 0.
+        by_rank = tuple(capability.get(r, 0.0) for r in range(max(max(m) for m in clusters) + 1))
+        election = Election(clusters, self.election.every, self.election.seed, self.election.choice, by_rank)
+        return replace(self, clusters=clusters, election=election)
+
+    def ranks(self) -> list[int]:
+        """Every rank of the plan, in cluster order."""
+        return [r for members in self.clusters for r in members]
+
+    def as_tensors(self) -> dict[str, torch.Tensor]:
+        """The clusters and the capabilities as tensors (``members``, ``sizes``, ``capability``),
+        what a checkpoint keeps so that a resumed job keeps its clusters.
+
+        Example::
+
+            >>> clusters_from_tensors(plan.as_tensors()) == (plan.clusters, capability)
+        """
+        members = self.ranks()
+        capability = self.election.capability
+        return {"members": torch.tensor(members, dtype=torch.int64),
+                "sizes": torch.tensor([len(m) for m in self.clusters], dtype=torch.int64),
+                "capability": torch.tensor([capability[r] if r < len(capability) else 0.0 for r in members],
+                                           dtype=torch.float64)}
+
     def as_json(self) -> dict:
         """The schema of ``convoy profile-nodes --json``."""
         nodes = [{**p.as_dict(), "normalised": n, "cluster": self.cluster_of(p.rank)}
@@ -75,6 +118,16 @@ class ClusterPlan:
             if worst else ""
         return (f"the {len(self.clusters)} clusters differ by less than the measurement noise{detail}; "
                 "the nodes are probably alike: consider --clusters 1")
+
+
+def clusters_from_tensors(tensors: dict[str, torch.Tensor]) -> tuple[list[list[int]], dict[int, float]]:
+    """The clusters and per-rank capability of :meth:`ClusterPlan.as_tensors`."""
+    members = tensors["members"].tolist()
+    clusters, start = [], 0
+    for size in tensors["sizes"].tolist():
+        clusters.append(members[start:start + size])
+        start += size
+    return clusters, dict(zip(members, tensors["capability"].tolist()))
 
 
 def make_plan(profiles: list[NodeProfile], weights: dict[str, float], clusters: int | str = "auto",

@@ -122,6 +122,17 @@ class SyncStrategy(ABC):
         residuals = getattr(getattr(self, "memory", None), "residuals", None)
         return params_bytes if isinstance(residuals, dict) else 0
 
+    def replica_ranks(self) -> list[int] | None:
+        """The ranks holding this rank's parameters and optimizer state after every step, which
+        share one checkpoint model file; None: every rank of the layout's group (hierarchical
+        sync narrows it to the cluster)."""
+        return None
+
+    def checkpoint_period(self, every: int) -> int:
+        """The checkpoint period to use when asked for one every ``every`` steps (hierarchical
+        sync rounds it up to whole exchange cycles)."""
+        return every
+
     def listeners(self) -> list:
         """Engine listeners the strategy needs (hierarchical sync exchanges parameters as layers finish)."""
         return []

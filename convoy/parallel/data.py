@@ -84,6 +84,10 @@ class DataParallel(ParallelLayout):
         average_buffers(self.model)
         return score(self.predict, test, device)
 
+    def checkpoint_scope(self) -> tuple[nn.Module, list[int] | None, dict[str, str] | None]:
+        """The whole model, shared by the ranks the sync strategy keeps identical (all, or a cluster)."""
+        return self.engine.model, self.engine.sync.replica_ranks(), None
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         return self.model.state_dict() if rank == 0 else None

@@ -136,8 +136,9 @@ class HybridParallel(ParallelLayout):
         return result
 
     def checkpoint_scope(self) -> tuple[nn.Module, list[int], dict[str, str]]:
-        """Each group persists its own layers: the conv part on the conv ranks, the head on the FC ranks."""
-        return self.part, self.group_ranks, self._names
+        """Each group persists its own layers: the conv part on the conv ranks, the head on the FC
+        ranks (on a cluster of them under hierarchical sync)."""
+        return self.part, self.engine.sync.replica_ranks() or self.group_ranks, self._names
 
     def step_metrics(self, step: int) -> dict[str, Any]:
         sent, received = self._link_by_step.pop(step, (0, 0))

@@ -16,15 +16,34 @@ exchange records the measured drift before combining, ``max_k |theta_k - theta|
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from convoy.core import Listener, StepStats
 
-if TYPE_CHECKING:
-    from convoy.sync.hierarchical import Hierarchical
+
+class CycleOwner(Protocol):
+    """What the exchange needs of its strategy (:class:`convoy.sync.hierarchical.Hierarchical`).
+
+    A protocol rather than an import: the strategy imports this module, and
+    dependencies run one way.
+    """
+
+    rank: int
+    cluster: int
+    plan: Any              # convoy.cluster.plan.ClusterPlan
+    contributions: Any     # convoy.cluster.contribution.ContributionHistory
+    groups: Any            # this cluster's process groups (``params``)
+    inter: Any             # the servers' process group
+
+    def is_exchange_step(self, step: int) -> bool: ...
+    def servers(self, step: int) -> list[int]: ...
+    def peers(self, server: int) -> list[int]: ...
+    def count(self, step: int, where: str, sent: int, received: int) -> None: ...
+    def note(self, step: int, **values: Any) -> None: ...
+    def finish_sends(self) -> None: ...
 
 
 def _flat(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -66,7 +85,7 @@ class CycleExchange(Listener):
     (momentum) is not exchanged.
     """
 
-    def __init__(self, sync: "Hierarchical"):
+    def __init__(self, sync: CycleOwner):
         self.sync = sync
         self.anchors: dict[int, torch.Tensor] = {}
         # dot(delta, moved), |delta|^2, |moved|^2, |theta_k - theta|^2, |theta|^2 over the layers

@@ -8,6 +8,13 @@ T-th batch the servers exchange their clusters' parameters, combine them with
 contribution weights (:mod:`convoy.cluster.contribution`) and send the result
 to their members (:class:`CycleExchange`). Servers are re-elected every R
 cycles (:class:`convoy.cluster.election.Election`).
+
+Checkpoints: each cluster is a replica group of its own (its members hold the
+same parameters and momentum), so each cluster persists its own model file
+(:meth:`Hierarchical.replica_ranks`), and checkpoints fall on exchange steps
+(:meth:`Hierarchical.checkpoint_period`), where every cluster holds the same
+parameters. The plan, the contribution history and the cycle anchors go into
+each rank's own file (:meth:`Hierarchical.state_tensors`).
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import torch.distributed as dist
 from convoy.cluster.contribution import ContributionHistory
 from convoy.cluster.plan import ClusterPlan
 from convoy.compress import Compressor, Memory
+from convoy.errors import UsageError
 from convoy.sync.allreduce import AllReduce
 from convoy.sync.base import Done, PendingSync
 from convoy.sync.cycle import CycleExchange
@@ -56,6 +64,26 @@ class _ClusterGroups:
         self.agree = dist.new_group(members)
 
 
+class ClusterNetwork:
+    """Every process group a plan needs: per cluster (gradients, parameters,
+    collectives) and one for the servers' exchange.
+
+    Every rank of the job builds it, in the same order, also the ranks outside
+    the plan (the other group of a hybrid job): process groups are created
+    collectively.
+
+    Example::
+
+        >>> conv, fc = ClusterNetwork(conv_plan), ClusterNetwork(fc_plan)   # on every rank
+        >>> sync = Hierarchical(conv_plan, 4, network=conv)                 # on the conv ranks
+    """
+
+    def __init__(self, plan: ClusterPlan):
+        ready = dist.is_initialized()
+        self.clusters = [_ClusterGroups(members) for members in plan.clusters] if ready else []
+        self.inter = dist.new_group(sorted(plan.ranks())) if ready else None
+
+
 class Hierarchical(AllReduce):
     """Cluster-wise synchronous data parallelism through rotating temporary servers.
 
@@ -68,6 +96,8 @@ class Hierarchical(AllReduce):
             compress the gradients they send to their server.
         last_step: the job's last step, also an exchange, so that training ends
             with one model on every rank whatever T (None: no such step).
+        network: the plan's process groups, built on every rank beforehand
+            (None: built here, which every rank of the job must then construct).
 
     Pass ``listeners=strategy.listeners()`` to the engine: the exchange runs
     as each layer's update becomes final. Every rank of the default group must
@@ -81,17 +111,17 @@ class Hierarchical(AllReduce):
     """
 
     def __init__(self, plan: ClusterPlan, exchange_every: int, compressor: Compressor | None = None,
-                 memory: Memory | None = None, warmup_steps: int = 0, last_step: int | None = None):
+                 memory: Memory | None = None, warmup_steps: int = 0, last_step: int | None = None,
+                 network: ClusterNetwork | None = None):
         if exchange_every < 1:
             raise ValueError(f"exchange_every must be >= 1, got {exchange_every}")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        # Every rank creates every cluster's groups, in the same order.
-        groups = [_ClusterGroups(members) for members in plan.clusters] if dist.is_initialized() else []
-        self.inter = dist.new_group() if dist.is_initialized() else None   # servers' point-to-point exchange
+        network = network or ClusterNetwork(plan)
+        self.inter = network.inter   # servers' point-to-point exchange
         self.plan = plan
         self.cluster = plan.cluster_of(self.rank)
         self.members = plan.clusters[self.cluster]
-        self.groups = groups[self.cluster] if groups else None
+        self.groups = network.clusters[self.cluster] if network.clusters else None
         super().__init__(self.groups.agree if self.groups else None, compressor, memory, warmup_steps)
         self.world_size = len(self.members)
         self.exchange_every = exchange_every
@@ -119,6 +149,47 @@ class Hierarchical(AllReduce):
 
     def listeners(self) -> list[CycleExchange]:
         return [self.exchange]
+
+    # ------------------------------------------------------------ checkpoints
+    def replica_ranks(self) -> list[int]:
+        """This cluster: its members hold the same parameters and momentum after every step."""
+        return list(self.members)
+
+    def checkpoint_period(self, every: int) -> int:
+        """``every`` rounded up to whole exchange cycles: checkpoints fall on exchange steps,
+        where every cluster holds the same (combined) parameters, so the clusters' model
+        files hold one model and an export of any of them is the job's model. Rounded also
+        for one cluster, so that both groups of a hybrid job checkpoint at the same steps."""
+        return -(-every // self.exchange_every) * self.exchange_every
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Residuals (and whatever else :class:`AllReduce` keeps), plus the cluster plan
+        (``plan.*``), the contribution history (``contribution.*``) and the parameters each
+        layer had at the start of the cycle (``anchor.<layer>``)."""
+        out = super().state_tensors()
+        out.update({f"plan.{key}": value for key, value in self.plan.as_tensors().items()})
+        out["contribution.agreement_sum"] = torch.tensor(self.contributions.agreement_sum, dtype=torch.float64)
+        out["contribution.cycles"] = torch.tensor([self.contributions.cycles], dtype=torch.int64)
+        out.update({f"anchor.{index}": anchor for index, anchor in sorted(self.exchange.anchors.items())})
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().load_state_tensors(tensors)
+        saved = {key[len("plan."):]: value for key, value in tensors.items() if key.startswith("plan.")}
+        mine = self.plan.as_tensors()
+        if saved and (set(saved) != set(mine) or not all(torch.equal(saved[k], mine[k]) for k in mine)):
+            raise UsageError("the checkpoint was written with other clusters than this job's "
+                             f"({self.plan.clusters}); resume with the job's original settings, or --no-resume")
+        if "contribution.cycles" in tensors:
+            self.contributions.agreement_sum = tensors["contribution.agreement_sum"].tolist()
+            self.contributions.cycles = int(tensors["contribution.cycles"])
+        self.exchange.anchors = {int(key[len("anchor."):]): value.clone() for key, value in tensors.items()
+                                 if key.startswith("anchor.")}
+
+    def state_bytes_bound(self, params_bytes: int) -> int:
+        """What :class:`AllReduce` keeps, one anchor per parameter, the plan and the history."""
+        small = 24 * len(self.plan.ranks()) + 8 * len(self.plan.clusters) + 8
+        return super().state_bytes_bound(params_bytes) + params_bytes + small
 
     # ------------------------------------------------------------- accounting
     def count(self, step: int, where: str, sent: int, received: int) -> None:

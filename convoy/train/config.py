@@ -242,7 +242,15 @@ class TrainConfig:
         self._validate_hierarchical()
         self._validate_ps()
         self._validate_checkpointing()
+        self._validate_shape()
         return self
+
+    def _validate_shape(self) -> None:
+        """Roles and groups fit the world (convoy.parallel.shape), checked before any worker starts."""
+        from convoy.parallel.shape import JobShape
+        from convoy.runtime import launched_by_torchrun
+
+        JobShape.from_config(self, int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else self.nproc)
 
     def _validate_bounds(self) -> None:
         """Ceilings and finiteness: a value past them would hang, crash or exhaust the machine."""
@@ -363,10 +371,6 @@ class TrainConfig:
         world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else self.nproc
         check_cluster_options(world, self.clusters, self.indicator_weights, self.node_profile, self.reelect_every,
                               self.server_choice)
-        if self.parallel != "data":
-            raise UsageError("--sync hierarchical needs --parallel data")
-        if self.checkpoint_dir is not None:
-            raise UsageError("--checkpoint-dir does not support --sync hierarchical yet")
 
     def _validate_hybrid(self) -> None:
         _at_least("sub_batches", self.sub_batches, 1)

@@ -1,21 +1,120 @@
-"""``--sync hierarchical`` from a TrainConfig: profile the nodes, plan the clusters, build the strategy."""
+"""``--sync hierarchical`` from a TrainConfig: profile the nodes, plan each engine group's clusters,
+build the process groups, and hand each rank its strategy.
+
+In data parallelism there is one engine group (every rank); in a hybrid job
+two (the conv workers and the FC workers), each clustered on its own, with a
+group of one rank as a single cluster. Resuming from ``--checkpoint-dir``,
+each group keeps the clusters it was planned with (saved by
+:meth:`Hierarchical.state_tensors`): the nodes are measured again, and a
+measurement is noisy, so a fresh plan could split them differently.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
 from convoy import runtime
-from convoy.cluster import load_profile_file, parse_clusters, parse_weights, plan_job
+from convoy.checkpoint.format import FormatError
+from convoy.checkpoint.listener import rank_file
+from convoy.checkpoint.recovery import scan, valid_steps
+from convoy.checkpoint.store import Store
+from convoy.cluster import load_profile_file, parse_weights
+from convoy.cluster.plan import ClusterPlan, clusters_from_tensors, make_plan
+from convoy.cluster.profile import NodeProfile, profile_job
 from convoy.compress import Compressor, Memory
-from convoy.sync.hierarchical import Hierarchical
+from convoy.errors import UsageError
+from convoy.parallel.shape import JobShape
+from convoy.sync.hierarchical import ClusterNetwork, Hierarchical
 from convoy.train.config import TrainConfig
 
 
-def build_hierarchical(config: TrainConfig, ctx: runtime.Context, compressor: Compressor, memory: Memory,
-                       total_steps: int) -> Hierarchical:
-    """Profile every rank, cluster on rank 0, and return this rank's strategy; a collective.
+@dataclass
+class Hierarchy:
+    """Every engine group's plan and process groups, the same on every rank."""
 
-    The job's last step is an exchange too, so the saved model is the clusters' combination.
-    """
+    plans: list[ClusterPlan]
+    networks: list[ClusterNetwork]
+
+    def strategy(self, rank: int, config: TrainConfig, compressor: Compressor, memory: Memory,
+                 total_steps: int) -> Hierarchical:
+        """``rank``'s strategy, for the group it belongs to.
+
+        The job's last step is an exchange too, so the saved model is the clusters' combination.
+        """
+        index = next(i for i, plan in enumerate(self.plans) if rank in plan.ranks())
+        return Hierarchical(self.plans[index], config.exchange_every, compressor, memory, config.warmup(),
+                            last_step=total_steps - 1, network=self.networks[index])
+
+
+def build_hierarchy(config: TrainConfig, ctx: runtime.Context, shape: JobShape) -> Hierarchy:
+    """Profile every rank, plan each engine group on its first rank, build every group's
+    process groups; a collective on the default group (every rank, the same order)."""
     overrides = load_profile_file(config.node_profile) if config.node_profile else None
-    plan = plan_job(parse_weights(config.indicator_weights), parse_clusters(config.clusters), config.seed,
-                    config.reelect_every, config.server_choice, overrides, ctx.local_rank)
-    return Hierarchical(plan, config.exchange_every, compressor, memory, config.warmup(),
-                        last_step=total_steps - 1)
+    profiles = profile_job(overrides, ctx.local_rank)
+    plans = [_agree_on_plan(config, ctx.rank, profiles, group, shape.clusters_in(group))
+             for group in shape.engine_groups]
+    return Hierarchy(plans, [ClusterNetwork(plan) for plan in plans])
+
+
+def _agree_on_plan(config: TrainConfig, rank: int, profiles: list[NodeProfile], group: list[int],
+                   clusters: int | str) -> ClusterPlan:
+    """``group``'s plan, made (or read from the checkpoint) on its first rank and broadcast."""
+    leader = group[0]
+    box: list = [None]
+    if rank == leader:
+        try:
+            plan = make_plan([profiles[r] for r in group], parse_weights(config.indicator_weights), clusters,
+                             config.seed, config.reelect_every, config.server_choice).on_ranks(group)
+            box[0] = _resumed_plan(config, plan, clusters)
+        except UsageError as exc:   # sent on, so every rank fails alike instead of waiting
+            box[0] = str(exc)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=leader)
+    if isinstance(box[0], str):
+        raise UsageError(box[0])
+    return box[0]
+
+
+def _resumed_plan(config: TrainConfig, fresh: ClusterPlan, clusters: int | str) -> ClusterPlan:
+    """The clusters this group's checkpoint was written with, when the job will resume from one."""
+    if config.checkpoint_dir is None or config.resume is False:
+        return fresh
+    # The group's first rank plans, and its own file holds the plan.
+    saved = saved_sync_state(Path(config.checkpoint_dir), min(fresh.ranks()))
+    plan = {key[len("plan."):]: value for key, value in saved.items() if key.startswith("plan.")}
+    if not plan:
+        return fresh
+    members, capability = clusters_from_tensors(plan)
+    if sorted(r for m in members for r in m) != sorted(fresh.ranks()):
+        raise UsageError(f"{config.checkpoint_dir} was written by a job whose clusters held ranks "
+                         f"{sorted(r for m in members for r in m)}, not {sorted(fresh.ranks())}; "
+                         "resume with the same processes, or pass --no-resume")
+    if clusters != "auto" and clusters != len(members):
+        raise UsageError(f"{config.checkpoint_dir} was written with --clusters {len(members)}, this job asks "
+                         f"for {clusters}; resume with --clusters {len(members)}, or pass --no-resume")
+    return fresh.with_clusters(members, capability)
+
+
+def saved_sync_state(directory: Path, rank: int) -> dict[str, torch.Tensor]:
+    """The sync strategy's tensors (without the ``sync.`` prefix) in the newest valid area of
+    ``rank``'s own checkpoint file; empty when there is none."""
+    path = rank_file(directory, rank)
+    if not path.exists():
+        return {}
+    try:
+        store = Store.open(path)
+    except FormatError:
+        return {}
+    try:
+        valid = valid_steps(scan(store))
+        if not valid:
+            return {}
+        tensors = store.tensors(valid[max(valid)].area, 0)
+        out = {key[len("sync."):]: value.clone() for key, value in tensors.items() if key.startswith("sync.")}
+        del tensors   # release the views of the mapping
+        return out
+    finally:
+        store.close()

@@ -22,10 +22,11 @@ from convoy.engine.gradients import GradientGate, LossScaler
 from convoy.errors import TrainingDiverged
 from convoy.models import build_model
 from convoy.utils.atomic import save_atomically
-from convoy.parallel import DataParallel, HybridParallel, HybridRoles, ParallelLayout
+from convoy.parallel import DataParallel, HybridParallel, ParallelLayout
+from convoy.parallel.shape import JobShape
 from convoy.sync import AllReduce, SyncStrategy, ring_allreduce_bytes
 from convoy.train.config import TrainConfig, save_config
-from convoy.train.hierarchical import build_hierarchical
+from convoy.train.hierarchical import build_hierarchy
 from convoy.train.ps import build_hybrid_ps_layout, build_ps_layout
 from convoy.train.divergence import DivergenceGuard, divergence_hint
 from convoy.train.metrics import MetricsWriter
@@ -62,16 +63,12 @@ def run(config: TrainConfig) -> RunSummary:
     if config.init_from is not None:
         load_initial_state(model, config.init_from)
     broadcast_parameters(model)
-    data_world = ctx.world_size
-    if config.sync == "ps":   # servers read no data: the workers split every batch
-        data_world = ctx.world_size - (config.servers or 1)
-    if config.parallel == "hybrid":
-        data_world = config.conv_workers
+    shape = JobShape.from_config(config, ctx.world_size)
     # A step's samples per worker: --grad-accum micro-batches of --batch-size.
     step_batch = config.batch_size * config.grad_accum
-    steps_per_epoch = len(GlobalBatchSampler(len(splits.train), step_batch, data_world, 0, config.seed))
+    steps_per_epoch = len(GlobalBatchSampler(len(splits.train), step_batch, shape.data_world_size, 0, config.seed))
     total_steps = config.total_steps(steps_per_epoch)
-    layout = build_layout(config, model, ctx, total_steps, (splits.in_channels, *splits.image_size))
+    layout = build_layout(config, model, ctx, total_steps, (splits.in_channels, *splits.image_size), shape)
     sampler = GlobalBatchSampler(len(splits.train), step_batch, layout.data_world_size, layout.data_rank,
                                  config.seed)
     session = start_checkpoints(config, layout, total_steps, len(sampler))
@@ -113,23 +110,27 @@ def start_checkpoints(config: TrainConfig, layout: ParallelLayout, total_steps: 
     if config.checkpoint_dir is None:
         return None
     optimizer_class, hyper = optimizer_spec(config)
-    settings = CheckpointSettings(config.checkpoint_dir, config.checkpoint_every, config.resume, config.timeout)
+    every = layout.engine.sync.checkpoint_period(config.checkpoint_every)   # hierarchical: whole cycles
+    settings = CheckpointSettings(config.checkpoint_dir, every, config.resume, config.timeout)
     module, group_ranks, full_names = layout.checkpoint_scope()
     return start_checkpointing(settings, module, layout.engine, optimizer_class, hyper, total_steps,
                                steps_per_epoch, group_ranks, full_names)
 
 
 def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, total_steps: int,
-                 input_shape: tuple[int, ...]) -> ParallelLayout:
+                 input_shape: tuple[int, ...], shape: JobShape | None = None) -> ParallelLayout:
     """This rank's parallel layout, with an engine (sync strategy, compressor) for its part of the model."""
+    shape = shape or JobShape.from_config(config, ctx.world_size)
     optimizer_class, hyper = optimizer_spec(config)
+    # Every rank plans every group's clusters and builds their process groups, before any layout's groups.
+    hierarchy = build_hierarchy(config, ctx, shape) if config.sync == "hierarchical" else None
     scaler = LossScaler() if config.amp == "fp16" else None
 
     def make_engine(part: nn.Module, group: dist.ProcessGroup | None) -> Engine:
         workers = dist.get_world_size(group) if group is not None else ctx.world_size
         compressor, memory = build_compression(config, workers)
-        if config.sync == "hierarchical":
-            sync: SyncStrategy = build_hierarchical(config, ctx, compressor, memory, total_steps)
+        if hierarchy is not None:
+            sync: SyncStrategy = hierarchy.strategy(ctx.rank, config, compressor, memory, total_steps)
         else:
             sync = AllReduce(group, compressor, memory, config.warmup())
         return Engine(part, optimizer_class, sync, listeners=sync.listeners(),
@@ -141,8 +142,7 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
     if config.sync == "ps":
         return build_ps_layout(config, model, ctx, total_steps, input_shape)
     if config.parallel == "hybrid":
-        roles = HybridRoles(config.conv_workers, config.fc_workers)
-        return HybridParallel(model, roles, ctx.rank, input_shape, make_engine, config.split_at,
+        return HybridParallel(model, shape.hybrid_roles(), ctx.rank, input_shape, make_engine, config.split_at,
                               sub_batches=config.sub_batches)
     # A group of its own keeps the engine's collectives from interleaving with
     # the training loop's (evaluation, bookkeeping) on the default group.
