@@ -16,7 +16,7 @@ from tqdm import tqdm
 from convoy import runtime
 from convoy.checkpoint.export import load_initial_state
 from convoy.checkpoint.session import CheckpointSession, CheckpointSettings, ResumePoint, start_checkpointing
-from convoy.compress import MomentumCorrection, build_compressor
+from convoy.compress import SPARSE_NAMES, MomentumCorrection, build_compressor
 from convoy.data import DatasetSplits, GlobalBatchSampler, build_dataset, iterate_batches
 from convoy.engine import Engine
 from convoy.engine.gradients import GradientGate, LossScaler
@@ -136,10 +136,12 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
         compressor, memory = build_compressor(
             config.compress, blocks_per_layer=config.blocks_per_layer, block_fraction=config.block_fraction,
             block_metric=config.block_metric, block_selection=config.block_selection,
-            block_size=config.block_size, element_fraction=config.element_fraction)
+            block_size=config.block_size, element_fraction=config.element_fraction,
+            powersgd_rank=config.powersgd_rank)
         if corrects_momentum(config):
             workers = dist.get_world_size(group) if group is not None else ctx.world_size
-            memory = MomentumCorrection(config.momentum, config.clip_norm, workers, config.weight_decay)
+            memory = MomentumCorrection(config.momentum, config.clip_norm, workers, config.weight_decay,
+                                        masking=config.compress in SPARSE_NAMES)
         if config.sync == "hierarchical":
             sync: SyncStrategy = build_hierarchical(config, ctx, compressor, memory, total_steps)
         else:

@@ -42,14 +42,14 @@ def supported_kwargs(optimizer_class: type, **candidates: Any) -> dict[str, Any]
 
 
 def corrects_momentum(config: TrainConfig) -> bool:
-    """Whether ``config`` trains with momentum correction: SGD with momentum and a sparse compressor.
+    """Whether ``config`` trains with momentum correction: SGD with momentum and a sparse or low-rank compressor.
 
     The workers then keep the momentum (and weight decay) in their error-feedback
     memory, and the layer optimizers step without either.
     """
-    from convoy.compress import SPARSE_NAMES
+    from convoy.compress import MOMENTUM_CORRECTED_NAMES
 
-    return (config.momentum_correction and config.compress in SPARSE_NAMES
+    return (config.momentum_correction and config.compress in MOMENTUM_CORRECTED_NAMES
             and config.optimizer == "sgd" and config.momentum > 0)
 
 
