@@ -147,6 +147,8 @@ class TrainConfig:
     powersgd_rank: int = _opt(2, "powersgd: R, columns of each layer's factors P and Q (an integer >= 1); a "
                               "layer whose matrix has a side of R or fewer, or that factors would not shrink "
                               "2x, is sent dense", section="compress")
+    momentum_masking: bool = _opt(True, "with momentum correction and a sparse compressor: zero the velocity "
+                                  "where a value that had waited is sent", section="compress")
     momentum_correction: bool = _opt(True, "blocktopk, topk, randomk, powersgd with sgd and --momentum > 0: accumulate "
                                      "the velocity on each worker and compress that (error feedback on the "
                                      "velocity), applying the average without the optimizer's momentum",

@@ -141,7 +141,7 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
         if corrects_momentum(config):
             workers = dist.get_world_size(group) if group is not None else ctx.world_size
             memory = MomentumCorrection(config.momentum, config.clip_norm, workers, config.weight_decay,
-                                        masking=config.compress in SPARSE_NAMES)
+                                        masking=config.momentum_masking and config.compress in SPARSE_NAMES)
         if config.sync == "hierarchical":
             sync: SyncStrategy = build_hierarchical(config, ctx, compressor, memory, total_steps)
         else:
