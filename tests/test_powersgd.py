@@ -185,3 +185,12 @@ def test_a_bad_powersgd_rank_is_one_line_and_exit_2(value, expected):
 def test_help_says_a_rank_too_large_sends_the_layer_dense():
     run = convoy_in_process("train", "--help")
     assert "--powersgd-rank" in run.stdout and "sent dense" in " ".join(run.stdout.split())
+
+
+def test_powersgd_with_sgd_momentum_trains_with_momentum_correction_by_default():
+    from convoy.train.config import TrainConfig
+    from convoy.train.loop import optimizer_spec
+
+    assert optimizer_spec(TrainConfig(compress="powersgd", lr=0.05))[1] == {"lr": 0.05, "momentum": 0.0,
+                                                                           "weight_decay": 0.0}
+    assert optimizer_spec(TrainConfig(compress="powersgd", lr=0.05, momentum_correction=False))[1]["momentum"] == 0.9
