@@ -26,7 +26,7 @@ from convoy.sim.cluster import Cluster  # noqa: E402
 from convoy.sim.codec import Compression  # noqa: E402
 from convoy.sim.cpu import CpuCosts  # noqa: E402
 from convoy.sim.profile import ModelProfile  # noqa: E402
-from convoy.sim.strategies import DDP, AllReduce, Hierarchical, Hybrid, ParameterServer, Strategy  # noqa: E402
+from convoy.sim.strategies import ClusterCycles, ConvFcSplit, LayerRing, ServerShards, Strategy, TorchDDP  # noqa: E402
 from convoy.sim.table import format_table  # noqa: E402
 from convoy.sim.zoo import from_shapes, resnet101_layers, vgg16_layers  # noqa: E402
 
@@ -63,20 +63,20 @@ def gpu_profiles() -> list[ModelProfile]:
 
 def strategies(nodes: int, costs: CpuCosts, has_head: bool) -> list[Strategy]:
     out: list[Strategy] = [
-        AllReduce(costs=costs), AllReduce(costs=costs, bucket_mb=25), DDP(costs=costs),
-        AllReduce(Compression("fp16"), costs), AllReduce(Compression("topk", 0.01), costs),
-        AllReduce(Compression("blocktopk", block_fraction=0.01), costs),
-        AllReduce(Compression("blocktopk", block_fraction=0.01, selection="global"), costs),
-        DDP(4, costs=costs), Hierarchical(nodes // 8, 10, costs), ParameterServer(nodes // 4, "graph", 1024, costs)]
+        LayerRing(costs=costs), LayerRing(costs=costs, bucket_mb=25), TorchDDP(costs=costs),
+        LayerRing(Compression("fp16"), costs), LayerRing(Compression("topk", 0.01), costs),
+        LayerRing(Compression("blocktopk", block_fraction=0.01), costs),
+        LayerRing(Compression("blocktopk", block_fraction=0.01, selection="global"), costs),
+        TorchDDP(4, costs=costs), ClusterCycles(nodes // 8, 10, costs), ServerShards(nodes // 4, "graph", 1024, costs)]
     if has_head:
-        out.append(Hybrid(nodes - nodes // 8, nodes // 8, costs))
+        out.append(ConvFcSplit(nodes - nodes // 8, nodes // 8, costs))
     return out
 
 
 def project(profile: ModelProfile, costs: CpuCosts) -> list[dict]:
     rows = []
     # One node: convoy's engine without a network (updates hide, but layer 0's).
-    single = profile.batch_size / AllReduce(costs=costs).step_time(profile, Cluster(1, 1e9)).step_s
+    single = profile.batch_size / LayerRing(costs=costs).step_time(profile, Cluster(1, 1e9)).step_s
     for gbit in RATES_GBIT:
         for nodes in NODES:
             cluster = Cluster(nodes, gbit * 1e9, latency_s=LATENCY_S, lanes=GPU_LANES)
@@ -101,7 +101,7 @@ def horovod_check(costs: CpuCosts) -> dict:
     out = {}
     for profile, published in zip(gpu_profiles(), (0.90, 0.68)):
         cluster = Cluster(128, 25e9, latency_s=5e-6)
-        b = DDP(bucket_mb=64, costs=costs).step_time(profile, cluster)
+        b = TorchDDP(bucket_mb=64, costs=costs).step_time(profile, cluster)
         # Horovod's efficiency is against one GPU without Horovod: forward, backward, update.
         out[profile.name] = {"published": published, "predicted": profile.compute_s / b.step_s,
                              "step_s": b.step_s, "compute_s": profile.compute_s, "source": profile.source}

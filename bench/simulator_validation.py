@@ -49,7 +49,7 @@ from convoy.sim.codec import Compression  # noqa: E402
 from convoy.sim.cpu import CpuCosts, measure_cpu_costs  # noqa: E402
 from convoy.sim.network import ring_allreduce  # noqa: E402
 from convoy.sim.profile import ModelProfile, load_profile, profile_model  # noqa: E402
-from convoy.sim.strategies import DDP, AllReduce, Hierarchical, Hybrid, Strategy  # noqa: E402
+from convoy.sim.strategies import ClusterCycles, ConvFcSplit, LayerRing, Strategy, TorchDDP  # noqa: E402
 
 # gloo over loopback on the 2-core machine: fast next to any shaped link.
 LOOPBACK_BPS, LOOPBACK_LATENCY_S = 20e9, 20e-6
@@ -232,9 +232,9 @@ def hierarchical_rows(path: Path, data: dict) -> Iterator[Case]:
     for row in data["rows"]:
         name = row["run"]
         if name == "flat":
-            strategy = AllReduce(costs=costs())
+            strategy = LayerRing(costs=costs())
         elif name.startswith("hier T="):
-            strategy = Hierarchical(2, int(name.split("=")[1]), costs())
+            strategy = ClusterCycles(2, int(name.split("=")[1]), costs())
         else:
             continue
         batch = int(s["batch_size"])
@@ -260,7 +260,7 @@ def loopback_rows(path: Path, data: dict) -> Iterator[Case]:
     for row in data["rows"]:
         cluster, batch = loopback(int(row["world"]), cpus), int(row["batch/worker"])
         setting = f"loopback, {row['world']} procs, batch {batch}"
-        for key, strategy in (("engine_step_s", AllReduce(costs=costs())), ("ddp_step_s", DDP(costs=costs()))):
+        for key, strategy in (("engine_step_s", LayerRing(costs=costs())), ("ddp_step_s", TorchDDP(costs=costs()))):
             yield Case(path.name, row["model"], setting, strategy.label, row[key],
                        step_time(strategy, row["model"], batch, cluster), kind="calibration")
 
@@ -274,10 +274,10 @@ def hybrid_rows(path: Path, data: dict) -> Iterator[Case]:
         data, hybrid = re.fullmatch(r"data (\d+)", layout), re.fullmatch(r"hybrid (\d+)\+(\d+)", layout)
         if data:
             world = int(data.group(1))
-            strategy, batch = AllReduce(costs=costs()), 48 // world
+            strategy, batch = LayerRing(costs=costs()), 48 // world
         elif hybrid:
             conv, fc = int(hybrid.group(1)), int(hybrid.group(2))
-            world, strategy, batch = conv + fc, Hybrid(conv, fc, costs()), 48 // conv
+            world, strategy, batch = conv + fc, ConvFcSplit(conv, fc, costs()), 48 // conv
         else:   # e.g. sub-batched activations ("K=4"): not modelled
             print(f"skipped {path.name}: {layout} (not modelled)", file=sys.stderr)
             continue
@@ -294,7 +294,7 @@ def wire_byte_rows(path: Path, data: dict) -> Iterator[Case]:
                                   blocks_per_layer=1 if rest[:1] == ["k=1"] else None,
                                   block_fraction=fraction if name == "blocktopk" else None,
                                   selection="global" if "global" in rest else "local")
-        strategy, cluster = AllReduce(compression), Cluster(int(row["world"]), 1e9)
+        strategy, cluster = LayerRing(compression), Cluster(int(row["world"]), 1e9)
         yield Case(path.name, row["model"], f"{row['world']} workers", strategy.label, row["kB_sent/step"],
                    lambda s=strategy, m=row["model"], c=cluster: s.step_time(profile(m), c).sent_bytes / 1e3,
                    kind="bytes", unit="kB")

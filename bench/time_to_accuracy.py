@@ -1,7 +1,7 @@
 """Time to a test accuracy for several strategies on an emulated cluster with shaped links.
 
     python bench/time_to_accuracy.py --hosts 4 --rate 100mbit --model vgg_fc --target 0.97 \\
-        --strategies dense ddp powersgd topk blocktopk
+        --strategies dense ddp powersgd topk blocktopk convoy-powersgd
 
 Each strategy is one `convoy bench cluster` run (network namespaces + tbf; root
 needed; `--rate loopback` runs local processes instead) that stops at the
@@ -32,6 +32,7 @@ STRATEGIES: dict[str, list[str]] = {
     "fp16": ["train", "--compress", "fp16"],
     "topk": ["train", "--compress", "topk"],
     "blocktopk": ["train", "--compress", "blocktopk", "--block-fraction", "0.01"],
+    "convoy-powersgd": ["train", "--compress", "powersgd", "--powersgd-rank", "2"],
     "blocktopk-10%": ["train", "--compress", "blocktopk", "--block-fraction", "0.1"],
     "blocktopk-global": ["train", "--compress", "blocktopk", "--block-fraction", "0.01",
                          "--block-selection", "global"],

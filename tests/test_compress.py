@@ -124,7 +124,7 @@ def test_bad_arguments_are_rejected_up_front():
         BlockTopKCompressor().compress(torch.zeros(5), "x", LayerInfo(shapes=(torch.Size([3, 4]),)))
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
         TopKCompressor(0)
-    with pytest.raises(UsageError, match="choose one of: none, fp16, blocktopk, topk, randomk"):
+    with pytest.raises(UsageError, match="choose one of: none, fp16, blocktopk, topk, randomk, powersgd"):
         build_compressor("zip")
     with pytest.raises(ValueError, match="warmup_steps"):
         AllReduce(warmup_steps=-1)
@@ -169,7 +169,37 @@ def test_warmup_counts_job_steps_so_a_resumed_job_does_not_warm_up_again():
     bucket.attach_grads()
     strategy = AllReduce(None, BlockTopKCompressor(1), ResidualMemory(), warmup_steps=2)
     assert torch.equal(strategy.start(bucket, bucket.flat_grad()).wait(), bucket.flat_grad())  # dense
-    assert strategy.memory.residuals == {}
+    assert not strategy.memory.residuals["0"].any()   # the dense warm-up holds nothing back
     strategy.set_step(2)
     sparse = strategy.start(bucket, bucket.flat_grad()).wait()
-    assert int((sparse != 0).sum()) == 4 + 1 and "0" in strategy.memory.residuals  # one row, one bias
+    assert int((sparse != 0).sum()) == 4 + 1 and strategy.memory.residuals["0"].any()  # one row, one bias
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+def test_fp16_payloads_of_huge_gradients_sum_to_finite_values_and_the_residual_keeps_the_rest(world):
+    """Values past fp16's range used to become inf, and inf - inf NaN in the sum and the residual,
+    which error feedback then carried into every later step."""
+    from convoy.compress.fp16 import FP16_MAX, share_limit
+
+    gradient = torch.tensor([1e6, -3e5, 7e4, 65504.0, 1.0, -2.5e-8, 0.0])
+    compressor, memory = FP16Compressor(), ResidualMemory()
+    info = LayerInfo(world_size=world)
+    payload, ctx = compressor.compress(gradient, "0", info)
+    sent = compressor.decompress(payload, ctx)
+    memory.update(gradient, "0", sent)
+    # Every rank sending the largest share: the fp16 sum, in any order, stays finite.
+    total = torch.zeros_like(payload[0])
+    for _ in range(world):
+        total += payload[0]
+    assert torch.isfinite(total).all() and float(total.abs().max()) <= FP16_MAX
+    assert float(sent.abs().max()) == share_limit(world) and world * share_limit(world) <= FP16_MAX
+    # Exact error feedback: what was clamped or rounded away is in the residual, to the bit.
+    assert torch.isfinite(memory.residuals["0"]).all()
+    assert torch.equal(sent + memory.residuals["0"], gradient)
+    # Next step: a residual too large for one step leaves over the following ones, nothing lost.
+    for _ in range(200):
+        compensated = memory.compensate(torch.zeros(7), "0")
+        payload, ctx = compressor.compress(compensated, "0", info)
+        memory.update(compensated, "0", compressor.decompress(payload, ctx))
+    assert float(memory.residuals["0"].abs().max()) < 1e-3
+

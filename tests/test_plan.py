@@ -79,8 +79,10 @@ def test_plan_cli(tmp_path, capsys):
                  "--top", "3"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "convoy train --nproc 4 --model vgg_fc --batch-size 16" in out[2] and out[2 + 3] == ""
-    # Then one torchrun line per machine, node i's rank i, each with the first row's training flags.
-    nodes = [shlex.split(line) for line in out[2 + 3 + 2:]]
+    # Then who wins against the peers, then one torchrun line per machine, node i's rank i,
+    # each with the first row's training flags.
+    assert out[2 + 3 + 1].startswith(("Convoy wins: ", "A peer would win: ")) and out[2 + 3 + 2] == ""
+    nodes = [shlex.split(line) for line in out[2 + 3 + 4:]]
     first_row = shlex.split(out[2][out[2].index("convoy train"):])
     assert len(nodes) == 4
     for node, argv in enumerate(nodes):
@@ -134,24 +136,26 @@ def test_steps_to_target_rank_by_time_to_accuracy_not_by_step(tmp_path):
     assert middle == sorted(middle, reverse=True) and not any(r["measured"] for r in available[2:-1])
 
 
-def test_warmup_steps_are_counted_dense_and_kept_in_the_command(tmp_path):
+def test_warmup_steps_are_priced_at_the_ramps_mean_density_and_kept_in_the_command(tmp_path):
     from convoy.sim.codec import Compression
     from convoy.sim.convergence import load_convergence
-    from convoy.sim.strategies import AllReduce
+    from convoy.sim.strategies import LayerRing
 
     path = steps_file(tmp_path, [{"flags": "--compress topk", "steps_to_target": 50},
                                  {"flags": "", "steps_to_target": 30}], warmup_steps=20)
     convergence = load_convergence(path, 4)
     cluster, profile = Cluster(4, 100e6), fc_heavy()
-    dense_s = AllReduce().step_time(profile, cluster).step_s
-    topk = AllReduce(Compression("topk", 0.01))
+    dense_s = LayerRing().step_time(profile, cluster).step_s
+    topk = LayerRing(Compression("topk", 0.01))
     topk_s = topk.step_time(profile, cluster).step_s
     assert convergence.time_to_target(topk, topk_s, dense_s) == pytest.approx(20 * dense_s + 30 * topk_s)
-    assert convergence.time_to_target(AllReduce(), dense_s, dense_s) == pytest.approx(30 * dense_s)
-    rows = {r["strategy"]: r for r in rank(profile, cluster, [topk, AllReduce()], train_flags(), train_choices(),
+    assert convergence.time_to_target(LayerRing(), dense_s, dense_s) == pytest.approx(30 * dense_s)
+    rows = {r["strategy"]: r for r in rank(profile, cluster, [topk, LayerRing()], train_flags(), train_choices(),
                                            convergence)}
-    # plan prices the warm-up at the dense step it simulates itself.
-    assert rows["allreduce topk 0.01"]["time_to_target_s"] == pytest.approx(20 * dense_s + 30 * topk_s)
+    # plan prices a warm-up step of the density ramp (25% down to 1%) at the ramp's mean density.
+    ramp_s = LayerRing(Compression("topk", 0.01).ramp_mean()).step_time(profile, cluster).step_s
+    assert topk_s < ramp_s < dense_s
+    assert rows["allreduce topk 0.01"]["time_to_target_s"] == pytest.approx(20 * ramp_s + 30 * topk_s)
     assert rows["allreduce topk 0.01"]["command"].endswith("--warmup-steps 20")
     assert "--warmup-steps" not in rows["allreduce"]["command"]
     config_from_args(build_parser().parse_args(shlex.split(rows["allreduce topk 0.01"]["command"])[1:])).validate()
@@ -199,3 +203,28 @@ def test_plan_cli_missing_steps_file(tmp_path, capsys):
     assert main(["plan", str(tmp_path / "c.toml"), "--model", "lenet", "--steps-to-target",
                  str(tmp_path / "none.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_peers_are_ranked_beside_convoy_and_plan_says_who_wins(capsys):
+    from convoy.cli.plan import verdict
+    from convoy.sim.catalog import peers
+
+    rows = rank(fc_heavy(), Cluster(4, 100e6), candidates(4, has_head=True) + peers(), train_flags(),
+                train_choices())
+    by_name = {r["strategy"]: r for r in rows}
+    peer = by_name["ddp powersgd 2"]
+    assert peer["peer"] and peer["available"] and not peer["node_commands"]
+    assert peer["command"].startswith("torchrun --nproc-per-node 4 bench/peers/ddp_train.py")
+    assert "--compress powersgd --powersgd-rank 2" in by_name["allreduce powersgd 2"]["command"]
+    line = verdict(rows)
+    best_ours = next(r for r in rows if not r["peer"])
+    best_peer = next(r for r in rows if r["peer"])
+    ratio = best_ours["samples_per_s"] / best_peer["samples_per_s"]
+    if ratio >= 1:
+        assert line.startswith(f"convoy wins: {best_ours['strategy']} is predicted {ratio:.2f}x faster")
+    else:
+        assert line.startswith(f"a peer would win: {best_peer['strategy']}")
+    # A peer measured to reach the target far sooner wins, and plan says so.
+    fast = [{**best_peer, "time_to_target_s": 10.0}, {**best_ours, "time_to_target_s": 25.0}]
+    assert verdict(fast).startswith(f"a peer would win: {best_peer['strategy']} is predicted 2.50x faster to the "
+                                    f"target than convoy's best ({best_ours['strategy']})")

@@ -10,12 +10,12 @@ from typing import Any, Sequence
 
 from convoy.cli.sim_args import add_model_args, resolve_profile
 from convoy.errors import UsageError
-from convoy.sim.catalog import candidates
+from convoy.sim.catalog import candidates, peers
 from convoy.sim.cluster import Cluster, load_cluster
 from convoy.sim.codec import Compression
 from convoy.sim.convergence import Convergence, load_convergence
 from convoy.sim.profile import ModelProfile
-from convoy.sim.strategies import AllReduce, Strategy
+from convoy.sim.strategies import LayerRing, Strategy
 from convoy.sim.table import format_table
 
 DESCRIPTION = """\
@@ -59,6 +59,11 @@ Each row's command runs the setting on this machine (convoy train --nproc N,
 e.g. on emulated hosts). For a cluster of several machines, plan then prints
 one torchrun command per node for the first row (--json: node_commands of
 every row); give node 0's address with --master-addr.
+
+The peers a user would otherwise run, torch DDP and DDP with torch's
+PowerSGD hook (ranks 1, 2, 4), are ranked beside convoy's settings (marked
+"peer"); plan says whether convoy's best or a peer is predicted to win, and
+by how much.
 
 Strategies whose flags this convoy does not have yet are listed as
 unavailable and never ranked first.
@@ -119,8 +124,15 @@ def available(flags: list[str], known: set[str], choices: dict[str, tuple[str, .
     return True
 
 
+PEER_SCRIPT = "bench/peers/ddp_train.py"
+
+
 def command(strategy: Strategy, nodes: int, model: str, batch_size: int, extra: Sequence[str] = ()) -> str:
-    """The ``convoy train`` line that runs ``strategy`` on this machine, one process per node."""
+    """The ``convoy train`` line that runs ``strategy`` on this machine, one process per node
+    (a peer: the torchrun line of convoy's DDP peer script, from a convoy checkout)."""
+    if strategy.peer:
+        return shlex.join(["torchrun", "--nproc-per-node", str(nodes), PEER_SCRIPT, "--model", model,
+                           "--batch-size", str(batch_size), *strategy.flags(), "--steps", "STEPS", "--out", "DIR"])
     return shlex.join(["convoy", "train", "--nproc", str(nodes), *_train_args(strategy, model, batch_size, extra)])
 
 
@@ -156,26 +168,60 @@ def rank(profile: ModelProfile, cluster: Cluster, strategies: list[Strategy], kn
     target. Then strategies whose steps were not measured follow by samples per
     second, and last those that never reached the target.
     """
-    rows, dense_s = [], None
+    rows = []
     for strategy in strategies:
         b = strategy.step_time(profile, cluster)
         extra = convergence.warmup_flags() if convergence and convergence.warms_up(strategy) else []
         row = {**b.to_json(), "samples_per_s": strategy.workers(cluster) * profile.batch_size / b.step_s,
-               "available": available(strategy.flags(), known, choices),
+               "peer": strategy.peer,
+               "available": strategy.peer or available(strategy.flags(), known, choices),
                "command": command(strategy, cluster.nodes, profile.name, profile.batch_size, extra),
-               "node_commands": node_commands(strategy, cluster.nodes, profile.name, profile.batch_size, extra,
-                                              master_addr, master_port)}
+               "node_commands": [] if strategy.peer else node_commands(
+                   strategy, cluster.nodes, profile.name, profile.batch_size, extra, master_addr, master_port)}
         if convergence is not None:
-            if dense_s is None and convergence.warms_up(strategy):   # once: every warm-up step is dense
-                dense_s = AllReduce(Compression(), getattr(strategy, "costs", None)).step_time(profile, cluster).step_s
+            warmup_s = warmup_step_s(strategy, profile, cluster) if convergence.warms_up(strategy) else 0.0
             row.update(measured=strategy.label in convergence.steps,
                        steps_to_target=convergence.steps.get(strategy.label),
-                       time_to_target_s=convergence.time_to_target(strategy, b.step_s, dense_s or 0.0))
+                       time_to_target_s=convergence.time_to_target(strategy, b.step_s, warmup_s))
         rows.append(row)
     rows.sort(key=_order)
     for i, row in enumerate(rows, 1):
         row["rank"] = i
     return rows
+
+
+def warmup_step_s(strategy: Strategy, profile: ModelProfile, cluster: Cluster) -> float:
+    """A warm-up step's predicted time: a sparse compressor's at the mean density of its
+    ramp (25% down to its own), the others' dense (they send their warm-up uncompressed)."""
+    compression = getattr(strategy, "compression", Compression())
+    ramped = compression.ramp_mean() if compression.density is not None else Compression()
+    return LayerRing(ramped, getattr(strategy, "costs", None)).step_time(profile, cluster).step_s
+
+
+def verdict(rows: list[dict]) -> str | None:
+    """One line saying whether convoy's best or the best peer is predicted to win, and by how much.
+
+    Rows are ranked already; the measure is the time to target where both have
+    one, else samples per second.
+
+    Example::
+
+        >>> verdict([{"strategy": "ddp powersgd 2", "peer": True, ...}, {"strategy": "allreduce", ...}])
+        'a peer would win: ddp powersgd 2 is predicted 1.20x faster than convoy's best (allreduce); ...'
+    """
+    ours = next((r for r in rows if not r["peer"] and r["available"]), None)
+    peer = next((r for r in rows if r["peer"]), None)
+    if ours is None or peer is None:
+        return None
+    if ours.get("time_to_target_s") and peer.get("time_to_target_s"):
+        ratio, what = peer["time_to_target_s"] / ours["time_to_target_s"], "to the target"
+    else:
+        ratio, what = ours["samples_per_s"] / peer["samples_per_s"], "in samples per second"
+    if rows.index(peer) < rows.index(ours):
+        return (f"a peer would win: {peer['strategy']} is predicted {1 / ratio:.2f}x faster {what} than convoy's "
+                f"best ({ours['strategy']}); run it instead ({peer['command']})")
+    return f"convoy wins: {ours['strategy']} is predicted {ratio:.2f}x faster {what} than the best peer " \
+           f"({peer['strategy']})"
 
 
 def _order(row: dict) -> tuple:
@@ -196,21 +242,26 @@ def run(args: argparse.Namespace) -> int:
     strategies = {s.label: s for s in candidates(cluster.nodes, cluster.racks, has_head, costs)}
     if convergence:
         convergence.check(profile.name, profile.batch_size, cluster.nodes)
-        # Measured settings whose knobs plan does not try itself are ranked too; plan ranks convoy's own only.
+        # Measured settings whose knobs plan does not try itself are ranked too.
         strategies.update({s.label: s for s in convergence.strategies(cluster.nodes, costs)
-                           if not s.peer and s.label not in strategies})
+                           if s.label not in strategies})
+    strategies.update({s.label: s for s in peers(costs) if s.label not in strategies})
     master_addr = args.master_addr or _node0_host(args.cluster) or "HOST0"
     rows = rank(profile, cluster, list(strategies.values()), train_flags(), train_choices(),
                 convergence, master_addr, args.master_port)
     if args.json:
         print(json.dumps({"model": profile.name, "batch_size": profile.batch_size, "nodes": cluster.nodes,
-                          "target": convergence.target if convergence else None, "rows": rows}, indent=1))
+                          "target": convergence.target if convergence else None, "verdict": verdict(rows),
+                          "rows": rows}, indent=1))
         return 0
     by = "shortest predicted time to target first" if convergence else "fastest first"
     print(f"{profile.name}, batch {profile.batch_size} per worker, on {cluster.nodes} nodes at "
           f"{cluster.rate_bps / 1e6:g} Mbit/s: {len(rows)} settings, {by}")
     print(format_table(*_table(rows[:args.top], convergence is not None)))
-    if cluster.nodes > 1 and rows[0]["available"]:
+    line = verdict(rows)
+    if line:
+        print(f"\n{line[0].upper()}{line[1:]}.")
+    if cluster.nodes > 1 and rows[0]["available"] and not rows[0]["peer"]:
         where = "HOST0: node 0's address, reachable from the others" if master_addr == "HOST0" else \
             f"node 0 is {master_addr}"
         print(f"\nThe first row on {cluster.nodes} machines, one process each ({where}); run line i on node i:")
@@ -235,7 +286,7 @@ def _table(rows: list[dict], with_steps: bool) -> tuple[list[str], list[list]]:
         header += ["steps to target", "time to target s"]
     table = []
     for r in rows:
-        cells = [r["rank"], r["strategy"], r["step_s"], r["samples_per_s"]]
+        cells = [r["rank"], r["strategy"] + (" (peer)" if r["peer"] else ""), r["step_s"], r["samples_per_s"]]
         if with_steps:
             cells += [r["steps_to_target"] or ("not reached" if r["measured"] else "-"),
                       r["time_to_target_s"] if r["time_to_target_s"] is not None else "-"]

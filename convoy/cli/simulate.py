@@ -23,7 +23,9 @@ order, an auxiliary thread exchanges layers one at a time in that order and
 updates each, and the next forward's layer l waits only for layer l's update.
 Collectives are bandwidth-optimal rings (gloo's); a link carries payload at
 95.6% of its rate (TCP over Ethernet). Peers: ddp (25 MB buckets, one
-optimizer step after all) and powersgd (torch's hook). Step times are for
+optimizer step after all) and powersgd (DDP with torch's PowerSGD hook);
+convoy-powersgd is convoy's own (--compress powersgd: P all-reduced while the
+auxiliary thread waits, then Q, layer by layer). Step times are for
 --batch-size samples per data worker; ps and hybrid have fewer data workers
 than nodes, so compare samples/s.
 
@@ -66,7 +68,10 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--slice-kb", type=float, default=256, help="ps: slice size, 0 for whole layers (default: 256)")
     s.add_argument("--conv-workers", type=int, help="hybrid: I (default: nodes - J)")
     s.add_argument("--fc-workers", type=int, help="hybrid: J (default: nodes / 4, at least 1)")
-    s.add_argument("--powersgd-rank", type=int, default=1, help="powersgd: matrix rank (default: 1)")
+    s.add_argument("--block-size", type=int, default=16, help="blocktopk: elements per block (default: 16, "
+                   "convoy train's)")
+    s.add_argument("--powersgd-rank", type=int, default=2, help="powersgd (the DDP peer's hook) and "
+                   "convoy-powersgd: matrix rank (default: 2)")
     p.set_defaults(func=run)
 
 
@@ -79,9 +84,12 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
 
 
 def knobs_from_args(args: argparse.Namespace) -> Knobs:
+    for flag, value in (("--block-size", args.block_size), ("--powersgd-rank", args.powersgd_rank)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
     return Knobs(args.element_fraction, args.blocks_per_layer, args.block_fraction, args.block_selection,
-                 args.clusters, args.exchange_every, args.servers, args.priority, args.slice_kb or None,
-                 args.conv_workers, args.fc_workers, args.powersgd_rank)
+                 args.block_size, args.clusters, args.exchange_every, args.servers, args.priority,
+                 args.slice_kb or None, args.conv_workers, args.fc_workers, args.powersgd_rank)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,19 +7,22 @@ from convoy.compress.blocks import METRICS, BlockLayout
 from convoy.compress.fp16 import FP16Compressor
 from convoy.compress.identity import IdentityCompressor
 from convoy.compress.momentum import MomentumCorrection
+from convoy.compress.powersgd import PowerSGDCompressor
 from convoy.compress.randomk import RandomKCompressor
 from convoy.compress.rle import CodecError
 from convoy.compress.topk import TopKCompressor
 from convoy.errors import UsageError
 
-COMPRESS_NAMES = ("none", "fp16", "blocktopk", "topk", "randomk")
-# The compressors that send a share of each layer (momentum correction applies to them).
+COMPRESS_NAMES = ("none", "fp16", "blocktopk", "topk", "randomk", "powersgd")
+# The compressors that send a share of each layer (momentum correction with masking).
 SPARSE_NAMES = ("blocktopk", "topk", "randomk")
+# The compressors momentum correction applies to: the sparse ones, and low rank (without masking).
+MOMENTUM_CORRECTED_NAMES = (*SPARSE_NAMES, "powersgd")
 
 
 def build_compressor(name: str, *, blocks_per_layer: int | None = None, block_fraction: float | None = None,
                      block_metric: str = "l1", block_selection: str = "local", block_size: int | None = None,
-                     element_fraction: float = 0.01) -> tuple[Compressor, Memory]:
+                     element_fraction: float = 0.01, powersgd_rank: int = 2) -> tuple[Compressor, Memory]:
     """Return the compressor called ``name`` and the error-feedback memory it uses.
 
     Args:
@@ -27,6 +30,7 @@ def build_compressor(name: str, *, blocks_per_layer: int | None = None, block_fr
         blocks_per_layer, block_fraction, block_metric, block_selection, block_size: blocktopk's
             settings (see :class:`BlockTopKCompressor`); the others ignore them.
         element_fraction: share of elements that topk and randomk send.
+        powersgd_rank: columns of powersgd's factors.
 
     Example::
 
@@ -43,10 +47,12 @@ def build_compressor(name: str, *, blocks_per_layer: int | None = None, block_fr
         return TopKCompressor(element_fraction), ResidualMemory()
     if name == "randomk":
         return RandomKCompressor(element_fraction), ResidualMemory()
+    if name == "powersgd":
+        return PowerSGDCompressor(powersgd_rank), ResidualMemory()
     raise UsageError(f"unknown compressor {name!r}; choose one of: {', '.join(COMPRESS_NAMES)}")
 
 
-__all__ = ["COMPRESS_NAMES", "METRICS", "SELECTIONS", "SPARSE_NAMES", "BlockLayout", "BlockTopKCompressor",
-           "CodecError", "Compressor", "FP16Compressor", "IdentityCompressor", "LayerInfo", "Memory",
-           "MomentumCorrection", "NoMemory",
+__all__ = ["COMPRESS_NAMES", "METRICS", "MOMENTUM_CORRECTED_NAMES", "SELECTIONS", "SPARSE_NAMES", "BlockLayout",
+           "BlockTopKCompressor", "CodecError", "Compressor", "FP16Compressor", "IdentityCompressor", "LayerInfo",
+           "Memory", "MomentumCorrection", "NoMemory", "PowerSGDCompressor",
            "RandomKCompressor", "ResidualMemory", "TopKCompressor", "build_compressor"]

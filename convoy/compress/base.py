@@ -28,6 +28,8 @@ class LayerInfo:
             (seeds random selections so they agree across ranks and resumes).
         density: send at least this fraction of the layer this time (the
             warm-up's ramp); sparse compressors honour it, others ignore it.
+        world_size: ranks whose payloads will be summed (fp16 keeps each
+            rank's share of the sum within its range).
 
     Example::
 
@@ -38,6 +40,7 @@ class LayerInfo:
     agree: Callable[[torch.Tensor], torch.Tensor] = field(default=_no_peers, compare=False)
     step: int | None = None
     density: float | None = None
+    world_size: int = 1
 
 
 class Compressor(ABC):
@@ -75,6 +78,30 @@ class Compressor(ABC):
         """
         return out.add_(self.decompress(payload, ctx))
 
+    def more_rounds(self, ctx: Any) -> bool:
+        """Whether the payload just made is an intermediate round (PowerSGD's P before its Q).
+
+        An exchange then sums it over the ranks, blocking, and hands the sum
+        to :meth:`next_round`; it repeats until this is False and exchanges
+        the last payload as usual. Only summable compressors have rounds.
+        """
+        return False
+
+    def next_round(self, summed: Payload, ctx: Any) -> tuple[Payload, Any]:
+        """The next round's payload and context, given this round's payload summed over the ranks."""
+        raise NotImplementedError(f"{type(self).__name__} has a single round")
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """State a bit-identical resume needs (a warm start), by stable ``kind.name`` keys."""
+        return {}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take back this compressor's keys of what :meth:`state_tensors` returned; ignore the others."""
+
+    def state_bytes_bound(self, params_bytes: int) -> int:
+        """At most how many bytes :meth:`state_tensors` holds, for parameters of ``params_bytes``."""
+        return 0
+
     def max_payload_bytes(self, ctx: Any) -> int | None:
         """An upper bound on the payload's bytes that every rank computes alike, or None.
 
@@ -104,6 +131,22 @@ class Memory(ABC):
 
     def forget(self, name: str) -> None:
         """Drop what is kept for ``name`` (its layout changed, e.g. DDP rebuilt its buckets)."""
+
+    def kept(self) -> dict[str, dict[str, torch.Tensor]]:
+        """What is kept between steps, by kind (``residual``, ``velocity``) and layer name."""
+        return {}
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """:meth:`kept` as ``kind.name`` keys: what a bit-identical resume needs."""
+        return {f"{kind}.{name}": t for kind, tensors in self.kept().items() for name, t in tensors.items()}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take back this memory's keys of what :meth:`state_tensors` returned; ignore the others."""
+        kept = self.kept()
+        for key, tensor in tensors.items():
+            kind, name = key.split(".", 1)
+            if kind in kept:
+                kept[kind][name] = tensor.clone()
 
 
 class NoMemory(Memory):
@@ -137,3 +180,6 @@ class ResidualMemory(Memory):
 
     def forget(self, name: str) -> None:
         self.residuals.pop(name, None)
+
+    def kept(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {"residual": self.residuals}

@@ -16,6 +16,11 @@ factor masking), so a stale velocity does not keep pushing a coordinate that
 was just updated; values sent every step keep their velocity, so sending
 everything is exactly momentum SGD.
 The local gradient is clipped before it enters ``u``.
+
+Masking is for sparse compressors, which send some values whole and others
+not at all. A low-rank compressor (PowerSGD) sends a part of every value, so
+there is nothing to mask: ``masking=False`` keeps the velocity, and what is
+sent over the steps still adds up exactly to the velocities accumulated.
 """
 from __future__ import annotations
 
@@ -40,6 +45,9 @@ class MomentumCorrection(Memory):
         world_size: workers averaging the gradient.
         weight_decay: added to the gradient (``g + wd * w``) before it enters
             the velocity, as momentum SGD would; the optimizer's own is then 0.
+        masking: zero the velocity where a value that had waited was sent
+            (sparse compressors); False for compressors that send a part of
+            every value (PowerSGD).
 
     Example::
 
@@ -50,12 +58,12 @@ class MomentumCorrection(Memory):
     """
 
     def __init__(self, momentum: float, clip_norm: float | None = None, world_size: int = 1,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, masking: bool = True):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
-        self.momentum, self.weight_decay = momentum, weight_decay
+        self.momentum, self.weight_decay, self.masking = momentum, weight_decay, masking
         self.needs_params = weight_decay != 0.0
         self.local_clip = None if clip_norm is None else clip_norm / math.sqrt(world_size)
         self.velocities: dict[str, torch.Tensor] = {}
@@ -74,12 +82,19 @@ class MomentumCorrection(Memory):
 
     def update(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> None:
         delayed = self.residuals.get(name)
-        if delayed is not None:
+        if self.masking and delayed is not None:
             # Mask only values that waited: a value sent every step carries no
             # stale momentum, and keeping its velocity makes density 1.0 exactly
             # momentum SGD.
             self.velocities[name].masked_fill_((sent != 0) & (delayed != 0), 0.0)
         self.residuals[name] = compensated - sent
+
+    def forget(self, name: str) -> None:
+        self.residuals.pop(name, None)
+        self.velocities.pop(name, None)
+
+    def kept(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {"residual": self.residuals, "velocity": self.velocities}
 
     def _clipped(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.local_clip is None:

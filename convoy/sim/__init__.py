@@ -7,12 +7,13 @@ compute the way convoy's engine does.
 
 Example::
 
-    >>> from convoy.sim import Cluster, profile_model, AllReduce
-    >>> AllReduce().step_time(profile_model("lenet", 32), Cluster(4, 100e6)).step_s
+    >>> from convoy.sim import Cluster, profile_model, LayerRing
+    >>> LayerRing().step_time(profile_model("lenet", 32), Cluster(4, 100e6)).step_s
 """
 from convoy.sim.cluster import Cluster, load_cluster
 from convoy.sim.profile import ModelProfile, load_profile, profile_model
-from convoy.sim.strategies import DDP, AllReduce, Breakdown, Hierarchical, Hybrid, ParameterServer, Strategy
+from convoy.sim.strategies import (Breakdown, ClusterCycles, ConvFcSplit, LayerRing, ServerShards, Strategy,
+                                   TorchDDP)
 
-__all__ = ["AllReduce", "Breakdown", "Cluster", "DDP", "Hierarchical", "Hybrid", "ModelProfile", "ParameterServer",
-           "Strategy", "load_cluster", "load_profile", "profile_model"]
+__all__ = ["Breakdown", "Cluster", "ClusterCycles", "ConvFcSplit", "LayerRing", "ModelProfile", "ServerShards",
+           "Strategy", "TorchDDP", "load_cluster", "load_profile", "profile_model"]

@@ -1,20 +1,27 @@
 """What a compressor puts on the wire for one layer.
 
 Sizes come from the compressors' own arithmetic (``kept_count``,
-``BlockLayout``, ``rle.max_encoded_bytes``), so they match what
+``BlockLayout``, ``rle.max_encoded_bytes``, ``PowerSGDCompressor.payload_values``), so they match what
 ``convoy.sync.AllReduce`` sends byte for byte.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from convoy.compress.blocks import BlockLayout
+from convoy.compress.powersgd import PowerSGDCompressor
 from convoy.compress.topk import kept_count
 from convoy.errors import UsageError
 
-COMPRESSORS = ("none", "fp16", "randomk", "topk", "blocktopk")
+COMPRESSORS = ("none", "fp16", "randomk", "topk", "blocktopk", "powersgd")
+# convoy train's defaults, which flags() leaves out.
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_POWERSGD_RANK = 2
+# The density a sparse compressor's warm-up starts from (convoy.sync.allreduce.WARMUP_START_DENSITY).
+RAMP_START = 0.25
 
-# AllReduce's all-gather row starts with one int64 size per payload tensor.
+# convoy.sync.AllReduce's all-gather row starts with one int64 size per payload tensor.
 _SIZE_HEADER = 8
 
 
@@ -27,6 +34,8 @@ class Compression:
         fraction: topk/randomk's ``--element-fraction``.
         blocks_per_layer, block_fraction: blocktopk's two ways of choosing how many blocks.
         selection: blocktopk's ``local`` (all-gathered) or ``global`` (all-reduced).
+        block_size: blocktopk's ``--block-size`` (elements per block); None: whole rows and filters.
+        rank: powersgd's ``--powersgd-rank``.
 
     Example::
 
@@ -39,12 +48,16 @@ class Compression:
     blocks_per_layer: int | None = None
     block_fraction: float | None = None
     selection: str = "local"
+    block_size: int | None = DEFAULT_BLOCK_SIZE
+    rank: int = DEFAULT_POWERSGD_RANK
 
     def __post_init__(self) -> None:
         if self.name not in COMPRESSORS:
             raise UsageError(f"unknown compressor {self.name!r}; choose one of: {', '.join(COMPRESSORS)}")
         if not 0 < self.fraction <= 1 or (self.block_fraction is not None and not 0 < self.block_fraction <= 1):
             raise UsageError("compression fractions must be in (0, 1]")
+        if (self.block_size is not None and self.block_size < 1) or self.rank < 1:
+            raise UsageError("the block size and the powersgd rank must be >= 1")
 
     def payload(self, shapes: tuple[tuple[int, ...], ...]) -> tuple[str, int]:
         """``(collective, bytes)`` of one layer: ``allreduce`` of a summable tensor or
@@ -59,7 +72,9 @@ class Compression:
             return "allreduce", 4 * kept_count(numel, self.fraction)
         if self.name == "topk":
             return "allgather", 2 * _SIZE_HEADER + 8 * kept_count(numel, self.fraction)  # value + int32 index
-        layout = BlockLayout(shapes)
+        if self.name == "powersgd":   # the second round: Q and the layers sent dense
+            return "allreduce", 4 * PowerSGDCompressor(self.rank).payload_values(shapes)[1]
+        layout = BlockLayout(shapes, self.block_size)
         # blocktopk's own default: one block per parameter.
         counts = layout.kept_counts(None if self.block_fraction is not None else (self.blocks_per_layer or 1),
                                     self.block_fraction)
@@ -71,18 +86,43 @@ class Compression:
         return "allgather", _SIZE_HEADER + rle.max_encoded_bytes(layout, counts, torch.float32)
 
     def agreement(self, shapes: tuple[tuple[int, ...], ...]) -> int:
-        """Bytes of the all-reduce that must end before a layer's payload can be built:
-        global blocktopk's block scores (the auxiliary thread waits for it); else 0."""
+        """Bytes of the all-reduce that must end before a layer's payload can be built
+        (the auxiliary thread waits for it): global blocktopk's block scores, powersgd's
+        first round (P); else 0."""
+        if self.name == "powersgd":
+            return 4 * PowerSGDCompressor(self.rank).payload_values(shapes)[0]
         if self.name != "blocktopk" or self.selection != "global":
             return 0
-        return 4 * BlockLayout(shapes).total_blocks
+        return 4 * BlockLayout(shapes, self.block_size).total_blocks
+
+    @property
+    def density(self) -> float | None:
+        """The share of each layer sent, for compressors whose warm-up ramps it down; else None."""
+        if self.name in ("topk", "randomk"):
+            return self.fraction
+        return self.block_fraction if self.name == "blocktopk" else None
+
+    def ramp_mean(self) -> "Compression":
+        """This compression at the mean density of its warm-up ramp (25% decaying exponentially
+        to its own), which a warm-up step costs on average; itself when it has no ramp."""
+        target = self.density
+        if target is None or target >= RAMP_START:
+            return self
+        mean = (RAMP_START - target) / math.log(RAMP_START / target)
+        if self.name == "blocktopk":
+            return replace(self, block_fraction=mean)
+        return replace(self, fraction=mean)
 
     def label(self) -> str:
         if self.name in ("topk", "randomk"):
             return f"{self.name} {self.fraction:g}"
         if self.name == "blocktopk":
             kept = f"{self.block_fraction:g}" if self.block_fraction is not None else f"k={self.blocks_per_layer or 1}"
-            return f"blocktopk {kept}" + (" global" if self.selection == "global" else "")
+            size = "" if self.block_size == DEFAULT_BLOCK_SIZE else \
+                (" rows" if self.block_size is None else f" block {self.block_size}")
+            return f"blocktopk {kept}" + size + (" global" if self.selection == "global" else "")
+        if self.name == "powersgd":
+            return f"powersgd {self.rank}"
         return self.name
 
     def flags(self) -> list[str]:
@@ -99,6 +139,10 @@ class Compression:
                 flags += ["--blocks-per-layer", str(self.blocks_per_layer)]
             if self.selection != "local":
                 flags += ["--block-selection", self.selection]
+            if self.block_size != DEFAULT_BLOCK_SIZE and self.block_size is not None:
+                flags += ["--block-size", str(self.block_size)]
+        if self.name == "powersgd":
+            flags += ["--powersgd-rank", str(self.rank)]
         return flags
 
 

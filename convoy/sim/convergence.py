@@ -35,7 +35,7 @@ from pathlib import Path
 from convoy.errors import UsageError
 from convoy.sim.catalog import from_flags
 from convoy.sim.cpu import CpuCosts
-from convoy.sim.strategies import AllReduce, Strategy
+from convoy.sim.strategies import LayerRing, Strategy
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Convergence:
     Example::
 
         >>> c = Convergence({"allreduce fp16": 50}, model="resnet18", warmup_steps=20)
-        >>> c.time_to_target(AllReduce(Compression("fp16")), step_s=1.0, dense_step_s=2.0)
+        >>> c.time_to_target(LayerRing(Compression("fp16")), step_s=1.0, dense_step_s=2.0)
         70.0
     """
 
@@ -62,7 +62,8 @@ class Convergence:
 
         Args:
             step_s: the strategy's predicted step.
-            dense_step_s: the dense all-reduce's, which warm-up steps take.
+            dense_step_s: a warm-up step's: the dense all-reduce's, or for a sparse
+                compressor's density ramp its step at the ramp's mean density.
         """
         count = self.steps.get(strategy.label)
         if not count:
@@ -72,7 +73,7 @@ class Convergence:
 
     def warms_up(self, strategy: Strategy) -> bool:
         """Whether the runs sent this strategy's first steps dense: its command needs ``warmup_flags()``."""
-        return self.warmup_steps > 0 and isinstance(strategy, AllReduce) and strategy.compression.name != "none"
+        return self.warmup_steps > 0 and isinstance(strategy, LayerRing) and strategy.compression.name != "none"
 
     def warmup_flags(self) -> list[str]:
         return ["--warmup-steps", str(self.warmup_steps)]

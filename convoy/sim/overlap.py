@@ -28,7 +28,7 @@ _STEPS = 4
 
 
 @dataclass(frozen=True)
-class Exchange:
+class Transfer:
     """One exchange in the engine's fixed order.
 
     Args:
@@ -54,7 +54,7 @@ class Exchange:
     reply_s: float = 0.0
     remote: bool = False
     bytes_s: float | None = None
-    agree: Exchange | None = None
+    agree: Transfer | None = None
 
 
 class _Channel:
@@ -74,7 +74,7 @@ class _Channel:
 
 
 @dataclass(frozen=True)
-class Timeline:
+class StepTrace:
     """One steady-state step.
 
     Attributes:
@@ -100,8 +100,8 @@ class Timeline:
 
 
 def simulate(forward: Sequence[float], backward: Sequence[float], update: Sequence[float],
-             exchanges: Sequence[Exchange], barrier: bool = False, lanes: int = 1,
-             shared_rate: float | None = None) -> Timeline:
+             exchanges: Sequence[Transfer], barrier: bool = False, lanes: int = 1,
+             shared_rate: float | None = None) -> StepTrace:
     """The steady-state step of the engine (or of DDP with ``barrier=True``).
 
     Args:
@@ -109,11 +109,11 @@ def simulate(forward: Sequence[float], backward: Sequence[float], update: Sequen
         shared_rate: the engine's main and auxiliary threads share the rank's CPU:
             while both compute, each runs at this share of its speed (0.5 for ranks
             with one core or less; :mod:`convoy.sim.threads`). None: each has a core,
-            and the caller accounts for the auxiliary thread's CPU (``Timeline.aux_shared``).
+            and the caller accounts for the auxiliary thread's CPU (``StepTrace.aux_shared``).
 
     Example::
 
-        >>> simulate([1, 1], [2, 2], [0, 0], [Exchange((1,), 0.5), Exchange((0,), 0.5)]).step_s
+        >>> simulate([1, 1], [2, 2], [0, 0], [Transfer((1,), 0.5), Transfer((0,), 0.5)]).step_s
         6.5
     """
     n = len(forward)
@@ -126,7 +126,7 @@ def simulate(forward: Sequence[float], backward: Sequence[float], update: Sequen
         run.ddp()
     else:
         threads.run([run.main_thread(), run.aux_thread()], shared_rate or 1.0)
-    return Timeline(step_s=run.starts[-1] - run.starts[-2],
+    return StepTrace(step_s=run.starts[-1] - run.starts[-2],
                     compute_s=sum(forward) + sum(backward) + (sum(update) if barrier else 0.0),
                     aux_s=sum(e.codec_s + (0.0 if barrier else sum(update[l] for l in e.layers))
                               for e in exchanges if not e.remote),
@@ -140,7 +140,7 @@ class _Run:
     """``_STEPS`` steps of one rank: what each thread did when."""
 
     def __init__(self, forward: Sequence[float], backward: Sequence[float], update: Sequence[float],
-                 exchanges: Sequence[Exchange], lanes: int):
+                 exchanges: Sequence[Transfer], lanes: int):
         self.forward, self.backward, self.update = forward, backward, update
         self.own = [e for e in exchanges if not e.remote]
         self.remote = [e for e in exchanges if e.remote]
@@ -186,7 +186,7 @@ class _Run:
     def aux_thread(self) -> threads.Thread:
         """The engine's auxiliary thread: exchanges in their fixed order, updates as they end."""
         for step in range(_STEPS):
-            in_flight: deque[tuple[Exchange, float]] = deque()
+            in_flight: deque[tuple[Transfer, float]] = deque()
             for exchange in self.own:
                 yield ("until", lambda step=step, e=exchange: _latest(self.ready[step], e.layers))
                 now = yield ("cpu", exchange.codec_s)
@@ -201,7 +201,7 @@ class _Run:
                 yield ("until", lambda end=end: end)
                 yield from self._finish(step, exchange)
 
-    def _finish(self, step: int, exchange: Exchange) -> Generator[threads.Request, float, float]:
+    def _finish(self, step: int, exchange: Transfer) -> Generator[threads.Request, float, float]:
         now = 0.0
         for l in exchange.layers:
             now = yield ("cpu", self.update[l])
@@ -245,7 +245,7 @@ def _busy_share(spans: list[tuple[float, float]], computing: list[tuple[float, f
     return min(1.0, busy / total)
 
 
-def _start(exchange: Exchange, now: float, channels: dict[tuple[int, int], _Channel],
+def _start(exchange: Transfer, now: float, channels: dict[tuple[int, int], _Channel],
            spans: list[tuple[float, float]]) -> float:
     """Put ``exchange`` on its channel at ``now`` or when a lane frees up; return its end."""
     end = now

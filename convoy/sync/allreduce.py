@@ -118,14 +118,30 @@ class AllReduce(SyncStrategy):
         step = self._exchanges.get(index, self._first_step)
         self._exchanges[index] = step + 1
         name = str(index)
-        density = self.warmup_density(step)
-        if step < self.warmup_steps and self.compressor.density is None:
-            return self._exchange(self._dense, *self._dense.compress(grad, name))
+        # A compressor without a density warms up dense; the memory still runs,
+        # so momentum correction keeps its velocity through the warm-up.
+        dense = step < self.warmup_steps and self.compressor.density is None
+        compressor = self._dense if dense else self.compressor
         compensated = self.memory.compensate(grad, name, params)
-        info = LayerInfo(shapes=shapes, agree=self._agree, step=step, density=density)
-        payload, ctx = self.compressor.compress(compensated, name, info)
-        self.memory.update(compensated, name, self.compressor.decompress(payload, ctx))
-        return self._exchange(self.compressor, payload, ctx)
+        info = LayerInfo(shapes=shapes, agree=self._agree, step=step, density=self.warmup_density(step),
+                         world_size=self.world_size)
+        payload, ctx = compressor.compress(compensated, name, info)
+        while compressor.more_rounds(ctx):   # PowerSGD's P: summed now, the last round below
+            payload, ctx = compressor.next_round([self._agree(t) for t in payload], ctx)
+        self.memory.update(compensated, name, compressor.decompress(payload, ctx))
+        return self._exchange(compressor, payload, ctx)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The memory's residuals (and velocities), and the compressor's warm start."""
+        return {**self.memory.state_tensors(), **self.compressor.state_tensors()}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.memory.load_state_tensors(tensors)
+        self.compressor.load_state_tensors(tensors)
+
+    def state_bytes_bound(self, params_bytes: int) -> int:
+        """A parameter-sized tensor per kind the memory keeps, and the compressor's own."""
+        return params_bytes * len(self.memory.kept()) + self.compressor.state_bytes_bound(params_bytes)
 
     def _exchange(self, compressor: Compressor, payload: Any, ctx: Any) -> PendingSync:
         if self.world_size == 1:

@@ -123,7 +123,8 @@ class TrainConfig:
     trace: bool = _opt(False, "ps: record a timeline of --trace-steps steps; writes trace.json (Chrome trace) "
                        "into the run folder", section="sync")
     trace_steps: int = _opt(3, "ps: steps the --trace timeline covers (after the first)", section="sync")
-    compress: str = _opt("none", "gradient compressor: none, fp16, blocktopk, topk, randomk", section="compress")
+    compress: str = _opt("none", "gradient compressor: none, fp16, blocktopk, topk, randomk, powersgd",
+                         section="compress")
     blocks_per_layer: int | None = _opt(None, "blocktopk: blocks kept per parameter (default 1; "
                                         "exclusive with --block-fraction)", section="compress")
     block_fraction: float | None = _opt(None, "blocktopk: fraction of each parameter's blocks kept, "
@@ -142,7 +143,13 @@ class TrainConfig:
     # Sparse compression that converges (DGC's fixes)
     block_size: int = _opt(16, "blocktopk: elements per block (exactly: the largest divisor of a parameter's "
                            "size not above N), so small and large layers are cut alike", section="compress")
-    momentum_correction: bool = _opt(True, "blocktopk, topk, randomk with sgd and --momentum > 0: accumulate "
+    # PowerSGD inside the engine
+    powersgd_rank: int = _opt(2, "powersgd: R, columns of each layer's factors P and Q (an integer >= 1); a "
+                              "layer whose matrix has a side of R or fewer, or that factors would not shrink "
+                              "2x, is sent dense", section="compress")
+    momentum_masking: bool = _opt(True, "with momentum correction and a sparse compressor: zero the velocity "
+                                  "where a value that had waited is sent", section="compress")
+    momentum_correction: bool = _opt(True, "blocktopk, topk, randomk, powersgd with sgd and --momentum > 0: accumulate "
                                      "the velocity on each worker and compress that (error feedback on the "
                                      "velocity), applying the average without the optimizer's momentum",
                                      section="compress")
@@ -260,7 +267,7 @@ class TrainConfig:
         _within("seed", self.seed, 0, MAX_SEED)
         for name in ("steps", "epochs", "eval_every", "checkpoint_every", "trace_steps", "warmup_steps",
                      "exchange_every", "reelect_every", "sub_batches", "blocks_per_layer", "servers",
-                     "channels", "conv_workers", "fc_workers"):
+                     "channels", "conv_workers", "fc_workers", "powersgd_rank"):
             value = getattr(self, name)
             if value is not None and value > MAX_COUNT:
                 raise UsageError(f"{_flag(name)} must be <= {MAX_COUNT}, got {value}")
@@ -327,6 +334,7 @@ class TrainConfig:
         if self.warmup_steps is not None:
             _at_least("warmup_steps", self.warmup_steps, 0)
         _at_least("block_size", self.block_size, 1)
+        _at_least("powersgd_rank", self.powersgd_rank, 1)
         _positive("clip_norm", self.clip_norm)
 
 

@@ -42,14 +42,14 @@ def supported_kwargs(optimizer_class: type, **candidates: Any) -> dict[str, Any]
 
 
 def corrects_momentum(config: TrainConfig) -> bool:
-    """Whether ``config`` trains with momentum correction: SGD with momentum and a sparse compressor.
+    """Whether ``config`` trains with momentum correction: SGD with momentum and a sparse or low-rank compressor.
 
     The workers then keep the momentum (and weight decay) in their error-feedback
     memory, and the layer optimizers step without either.
     """
-    from convoy.compress import SPARSE_NAMES
+    from convoy.compress import MOMENTUM_CORRECTED_NAMES
 
-    return (config.momentum_correction and config.compress in SPARSE_NAMES
+    return (config.momentum_correction and config.compress in MOMENTUM_CORRECTED_NAMES
             and config.optimizer == "sgd" and config.momentum > 0)
 
 
@@ -77,12 +77,15 @@ def build_compression(config: TrainConfig, workers: int) -> tuple[Any, Any]:
     The same objects serve every strategy: all-reduce and hierarchical exchange
     their payloads, a parameter-server worker pushes them.
     """
-    from convoy.compress import MomentumCorrection, build_compressor
+    from convoy.compress import SPARSE_NAMES, MomentumCorrection, build_compressor
 
     compressor, memory = build_compressor(
         config.compress, blocks_per_layer=config.blocks_per_layer, block_fraction=config.block_fraction,
         block_metric=config.block_metric, block_selection=config.block_selection,
-        block_size=config.block_size, element_fraction=config.element_fraction)
+        block_size=config.block_size, element_fraction=config.element_fraction,
+        powersgd_rank=config.powersgd_rank)
     if corrects_momentum(config):
-        memory = MomentumCorrection(config.momentum, config.clip_norm, workers, config.weight_decay)
+        # Masking zeroes the momentum of values sent whole; a low-rank payload sends part of every value.
+        memory = MomentumCorrection(config.momentum, config.clip_norm, workers, config.weight_decay,
+                                    masking=config.momentum_masking and config.compress in SPARSE_NAMES)
     return compressor, memory

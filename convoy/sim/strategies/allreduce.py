@@ -5,7 +5,7 @@ from convoy.sim.cluster import Cluster
 from convoy.sim.codec import Compression
 from convoy.sim.cpu import CpuCosts
 from convoy.sim.network import Link, allgather, allreduce
-from convoy.sim.overlap import Exchange, simulate
+from convoy.sim.overlap import Transfer, simulate
 from convoy.sim.profile import ModelProfile
 from convoy.sim.strategies.base import Breakdown, Strategy
 from convoy.sim.strategies.ddp import ddp_buckets
@@ -21,7 +21,7 @@ def layer_exchange(collective: str, nbytes: int, n: int, link: Link) -> tuple[fl
     return allreduce(nbytes, n, link), ring_allreduce_bytes(nbytes, n)
 
 
-class AllReduce(Strategy):
+class LayerRing(Strategy):
     """Layer-wise ring all-reduce (or all-gather of sparse payloads), overlapped as the engine does.
 
     ``cluster.lanes`` collectives run at once (gloo's worker threads); global blocktopk's score
@@ -36,7 +36,7 @@ class AllReduce(Strategy):
 
     Example::
 
-        >>> AllReduce(Compression("fp16")).step_time(profile, Cluster(4, 1e9)).step_s
+        >>> LayerRing(Compression("fp16")).step_time(profile, Cluster(4, 1e9)).step_s
     """
 
     def __init__(self, compression: Compression | None = None, costs: CpuCosts | None = None,
@@ -61,9 +61,9 @@ class AllReduce(Strategy):
             shapes = tuple(s for i in bucket for s in p.layers[i].shapes)
             wire, moved = layer_exchange(*self.compression.payload(shapes), n, link)
             agree_wire, agree_moved = layer_exchange("allreduce", self.compression.agreement(shapes), n, link)
-            agree = Exchange(tuple(bucket), agree_wire, bytes_s=agree_moved / link.bytes_per_s) if agree_moved else None
+            agree = Transfer(tuple(bucket), agree_wire, bytes_s=agree_moved / link.bytes_per_s) if agree_moved else None
             codec = self.costs.seconds(self.compression, shapes, n) * cluster.slowdown
-            exchanges.append(Exchange(tuple(bucket), wire, codec, bytes_s=moved / link.bytes_per_s, agree=agree))
+            exchanges.append(Transfer(tuple(bucket), wire, codec, bytes_s=moved / link.bytes_per_s, agree=agree))
             sent += moved + agree_moved
         t = simulate([l.forward_s for l in p.layers], [l.backward_s for l in p.layers],
                      [l.update_s for l in p.layers], exchanges, lanes=cluster.lanes, shared_rate=cluster.shared_rate)

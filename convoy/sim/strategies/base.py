@@ -5,7 +5,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from convoy.sim.cluster import Cluster
-from convoy.sim.overlap import Timeline
+from convoy.sim.overlap import StepTrace
 from convoy.sim.profile import ModelProfile
 
 
@@ -37,7 +37,7 @@ class Breakdown:
         return max(0.0, self.step_s - self.compute_s)
 
     @classmethod
-    def from_timeline(cls, strategy: str, t: Timeline, cluster: Cluster, sent_bytes: float,
+    def from_timeline(cls, strategy: str, t: StepTrace, cluster: Cluster, sent_bytes: float,
                       ns_per_byte: float, **notes: object) -> "Breakdown":
         """A breakdown of the timeline ``t`` (simulated with compute slowed by
         ``cluster.slowdown``), plus what the side work steals where cores are short.

@@ -11,7 +11,7 @@ from convoy.sim.cluster import Cluster
 from convoy.sim.codec import numel_of
 from convoy.sim.cpu import CpuCosts
 from convoy.sim.network import allreduce
-from convoy.sim.overlap import Exchange, simulate
+from convoy.sim.overlap import Transfer, simulate
 from convoy.sim.profile import LayerProfile, ModelProfile
 from convoy.sim.strategies.base import Breakdown, Strategy
 from convoy.sync.allreduce import ring_allreduce_bytes
@@ -53,7 +53,7 @@ def powersgd_floats(shape: tuple[int, ...], rank: int) -> tuple[int, int]:
     return 0, (n + m) * r
 
 
-class DDP(Strategy):
+class TorchDDP(Strategy):
     """torch DDP (``powersgd_rank=0``) or DDP with torch's PowerSGD hook of that rank.
 
     Args:
@@ -96,7 +96,7 @@ class DDP(Strategy):
                 sizes, codec = [sum(p.layers[i].nbytes for i in bucket)], 0.0
             wire = sum(allreduce(b, n, link) for b in sizes)
             sent += sum(ring_allreduce_bytes(b, n) for b in sizes)
-            exchanges.append(Exchange(tuple(bucket), wire, codec))
+            exchanges.append(Transfer(tuple(bucket), wire, codec))
         t = simulate([l.forward_s for l in p.layers], [l.backward_s for l in p.layers],
                      [l.update_s for l in p.layers], exchanges, barrier=True)
         return Breakdown.from_timeline(self.label, t, cluster, sent, self.costs.peer_ns_per_byte)

@@ -16,13 +16,13 @@ from convoy.errors import UsageError
 from convoy.sim.cluster import Cluster
 from convoy.sim.cpu import CpuCosts
 from convoy.sim.network import allreduce, via_server
-from convoy.sim.overlap import Exchange, simulate
+from convoy.sim.overlap import Transfer, simulate
 from convoy.sim.profile import ModelProfile
 from convoy.sim.strategies.base import Breakdown, Strategy
 from convoy.sync.allreduce import ring_allreduce_bytes
 
 
-class Hierarchical(Strategy):
+class ClusterCycles(Strategy):
     """Clusters with temporary servers and a cycle-wise exchange between clusters.
 
     Args:
@@ -32,7 +32,7 @@ class Hierarchical(Strategy):
 
     Example::
 
-        >>> Hierarchical(clusters=2, exchange_every=10).step_time(profile, Cluster(4, 1e9, 2, 1e8))
+        >>> ClusterCycles(clusters=2, exchange_every=10).step_time(profile, Cluster(4, 1e9, 2, 1e8))
     """
 
     def __init__(self, clusters: int = 2, exchange_every: int = 10, costs: CpuCosts | None = None):
@@ -56,7 +56,7 @@ class Hierarchical(Strategy):
         m, host = cluster.nodes // self.clusters, cluster.host_link()
         # Clusters are racks when they line up with them; else every link is a host link.
         between = cluster.inter_rack_link() if cluster.racks == self.clusters > 1 else cluster.ring_link()
-        exchanges = [Exchange((i,), via_server(l.nbytes, m, host), reply_s=via_server(l.nbytes, m, host))
+        exchanges = [Transfer((i,), via_server(l.nbytes, m, host), reply_s=via_server(l.nbytes, m, host))
                      for i, l in reversed(list(enumerate(p.layers)))]
         forward, backward = [l.forward_s for l in p.layers], [l.backward_s for l in p.layers]
         t = simulate(forward, backward, [l.update_s for l in p.layers], exchanges)

@@ -16,7 +16,7 @@ from convoy.errors import UsageError
 from convoy.sim.cluster import Cluster
 from convoy.sim.cpu import CpuCosts
 from convoy.sim.network import allreduce, p2p
-from convoy.sim.overlap import Exchange, simulate
+from convoy.sim.overlap import Transfer, simulate
 from convoy.sim.profile import ModelProfile
 from convoy.sim.strategies.base import Breakdown, Strategy
 from convoy.sync.allreduce import ring_allreduce_bytes
@@ -25,7 +25,7 @@ _LABEL_BYTES = 8     # an int64 label per sample forward
 _LOSS_BYTES = 16     # loss and hits (two float64) back
 
 
-class Hybrid(Strategy):
+class ConvFcSplit(Strategy):
     """Stanza-style conv/FC separation.
 
     Args:
@@ -35,7 +35,7 @@ class Hybrid(Strategy):
 
     Example::
 
-        >>> Hybrid(3, 1).step_time(profile, Cluster(4, 1e9)).step_s
+        >>> ConvFcSplit(3, 1).step_time(profile, Cluster(4, 1e9)).step_s
     """
 
     def __init__(self, conv_workers: int, fc_workers: int, costs: CpuCosts | None = None):
@@ -73,8 +73,8 @@ class Hybrid(Strategy):
         backward = [l.backward_s for l in conv.layers] + [sum(l.backward_s for l in head.layers) + link_back]
         update = [l.update_s for l in conv.layers] + [sum(l.update_s for l in head.layers)]
         last = len(conv.layers)
-        exchanges = [Exchange((last,), fc_ring, channel=1, remote=True)] + [
-            Exchange((i,), allreduce(conv.layers[i].nbytes, self.conv_workers, cluster.ring_link()))
+        exchanges = [Transfer((last,), fc_ring, channel=1, remote=True)] + [
+            Transfer((i,), allreduce(conv.layers[i].nbytes, self.conv_workers, cluster.ring_link()))
             for i in reversed(range(last))]
         t = simulate(forward, backward, update, exchanges)
         ring = sum(ring_allreduce_bytes(l.nbytes, self.conv_workers) for l in conv.layers)

@@ -69,7 +69,7 @@ def schedule(messages: Sequence[Message], free_s: float) -> tuple[list[float], f
     return ends, now
 
 
-class ParameterServer(Strategy):
+class ServerShards(Strategy):
     """Priority-scheduled parameter servers.
 
     Args:
@@ -80,7 +80,7 @@ class ParameterServer(Strategy):
 
     Example::
 
-        >>> ParameterServer(1, "graph", 256).step_time(profile, Cluster(5, 1e9))
+        >>> ServerShards(1, "graph", 256).step_time(profile, Cluster(5, 1e9))
     """
 
     def __init__(self, servers: int = 1, priority: str = "graph", slice_kb: float | None = 256,

@@ -1,0 +1,222 @@
+"""PowerSGD: each layer's gradient matrix crosses the network as two thin factors.
+
+A parameter's gradient, viewed as an ``n x m`` matrix ``M`` (rows: its first
+dimension), is approximated as ``P Q^T`` with ``P`` of ``n x r`` and ``Q`` of
+``m x r`` by one step of power iteration per training step. The factors are
+what every rank all-reduces, so traffic is ``r (n + m)`` values instead of
+``n m`` and does not grow with the number of workers.
+
+One exchange takes two rounds, and every rank follows the same steps:
+
+1. ``P_i = M_i Q`` with the ``Q`` every rank shares (warm start: last step's).
+2. All-reduce: ``P = sum_i P_i = (sum_i M_i) Q``, a power-iteration step on
+   the sum of the gradients (because ``Q`` is the same on every rank).
+3. Orthogonalise ``P``'s columns (Gram-Schmidt); every rank gets the same ``P^``.
+4. ``Q_i = M_i^T P^``; the rank's own contribution is ``P^ Q_i^T``, the
+   projection of ``M_i`` onto ``P^``'s columns. Its error-feedback residual
+   is ``M_i - P^ Q_i^T``: exactly what this rank did not send.
+5. All-reduce: ``Q = sum_i Q_i``; the summed update is ``P^ Q^T``, which is the
+   sum of the ranks' contributions. ``Q`` is kept as the next step's warm start.
+
+Parameters whose factors would not be at least ``min_compression`` times
+smaller than the matrix (biases, small layers, a rank as large as the matrix's
+smaller side) are sent dense, in the second round.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from convoy.compress.base import Compressor, LayerInfo, Payload
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """One parameter of a flat gradient: where it lies, and its matrix shape when sent as factors."""
+
+    offset: int
+    numel: int
+    rows: int = 0   # 0: sent dense
+    cols: int = 0
+
+    @property
+    def low_rank(self) -> bool:
+        return self.rows > 0
+
+
+@dataclass
+class _Exchange:
+    """What one layer's exchange carries from round to round."""
+
+    name: str
+    segments: tuple[_Segment, ...]
+    flat: torch.Tensor                                             # the compensated gradient
+    matrices: list[torch.Tensor] = field(default_factory=list)   # the compensated gradient's matrices
+    bases: list[torch.Tensor] = field(default_factory=list)      # orthonormal P of each, after round 1
+    round: int = 1
+
+
+def orthonormalise(matrix: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Gram-Schmidt on ``matrix``'s columns, in place; returns it.
+
+    A column that is (nearly) in the span of the ones before it is left at
+    that small length instead of being divided by zero: it then carries
+    (almost) nothing, and no NaN reaches the factors.
+    """
+    for i in range(matrix.shape[1]):
+        column = matrix[:, i]
+        if i:
+            before = matrix[:, :i]
+            column.sub_(before @ (before.T @ column))
+        column.div_(torch.linalg.vector_norm(column).clamp_min(eps))
+    return matrix
+
+
+class PowerSGDCompressor(Compressor):
+    """Rank-``r`` factors of each layer's gradient matrices, found by warm-started power iteration.
+
+    Use it with an exchange that runs :meth:`Compressor.next_round` (convoy's
+    :class:`~convoy.sync.AllReduce` and the strategies built on it) and with
+    error feedback (:class:`~convoy.compress.ResidualMemory`, or
+    :class:`~convoy.compress.MomentumCorrection` without masking under SGD
+    with momentum). Decompressing the summed final payload stores its ``Q``
+    as the next step's warm start; exchanges decompress the summed payload
+    after the local one, so the shared ``Q`` is what remains.
+
+    Args:
+        rank: ``r``, columns of the factors. A parameter whose matrix has a
+            side of ``r`` or fewer is sent dense.
+        min_compression: send factors only where they are at least this many
+            times smaller than the matrix; the rest goes dense.
+        seed: seeds the first ``Q`` of each parameter (the same on every rank).
+
+    Example::
+
+        >>> c = PowerSGDCompressor(rank=2)
+        >>> payload, ctx = c.compress(grad, "3", LayerInfo(shapes=(w.shape, b.shape)))
+        >>> while c.more_rounds(ctx):
+        ...     payload, ctx = c.next_round(all_reduced(payload), ctx)
+    """
+
+    summable = True
+
+    def __init__(self, rank: int = 2, min_compression: float = 2.0, seed: int = 0):
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
+        if not min_compression >= 1.0:
+            raise ValueError(f"min_compression must be >= 1, got {min_compression}")
+        self.rank, self.min_compression, self.seed = rank, min_compression, seed
+        self.warm: dict[str, torch.Tensor] = {}   # "<layer>.<parameter>" -> shared Q (cols x rank)
+        self._plans: dict[tuple, tuple[_Segment, ...]] = {}
+
+    # ------------------------------------------------------------- the layout
+    def segments(self, tensor: torch.Tensor, info: LayerInfo | None) -> tuple[_Segment, ...]:
+        """How ``tensor``'s parameters are sent: as factors (rows, cols) or dense."""
+        shapes = tuple(tuple(s) for s in info.shapes) if info and info.shapes else ((tensor.numel(),),)
+        plan = self._plans.get(shapes)
+        if plan is None:
+            plan = self._plans[shapes] = tuple(self._plan(shapes))
+        if sum(s.numel for s in plan) != tensor.numel():
+            raise ValueError(f"shapes {shapes} do not hold the gradient's {tensor.numel()} values")
+        return plan
+
+    def _plan(self, shapes: tuple[tuple[int, ...], ...]) -> list[_Segment]:
+        segments, offset = [], 0
+        for shape in shapes:
+            numel = 1
+            for size in shape:
+                numel *= size
+            rows = shape[0] if len(shape) >= 2 else 0
+            cols = numel // rows if rows else 0
+            factored = rows and self.rank < min(rows, cols) and \
+                self.rank * (rows + cols) * self.min_compression <= numel
+            segments.append(_Segment(offset, numel, rows, cols) if factored else _Segment(offset, numel))
+            offset += numel
+        return segments
+
+    # ---------------------------------------------------------------- rounds
+    def compress(self, tensor: torch.Tensor, name: str,
+                 info: LayerInfo | None = None) -> tuple[Payload, Any]:
+        segments = self.segments(tensor, info)
+        flat = tensor.reshape(-1)
+        ctx = _Exchange(name, segments, flat)
+        ctx.matrices = [flat[s.offset:s.offset + s.numel].view(s.rows, s.cols) for s in segments if s.low_rank]
+        if not ctx.matrices:
+            return self._final_payload(ctx)
+        # 1. P_i = M_i Q, with the Q every rank shares.
+        products = [m @ self._shared_q(name, i, m) for i, m in enumerate(ctx.matrices)]
+        return [torch.cat([p.reshape(-1) for p in products])], ctx
+
+    def more_rounds(self, ctx: Any) -> bool:
+        return ctx.round == 1
+
+    def next_round(self, summed: Payload, ctx: Any) -> tuple[Payload, Any]:
+        # 2. ``summed`` holds sum_i P_i; 3. orthonormalise each P.
+        sizes = [m.shape[0] * self.rank for m in ctx.matrices]
+        ctx.bases = [orthonormalise(p.reshape(m.shape[0], self.rank).clone())
+                     for p, m in zip(summed[0].split(sizes), ctx.matrices)]
+        return self._final_payload(ctx)
+
+    @staticmethod
+    def _final_payload(ctx: _Exchange) -> tuple[Payload, Any]:
+        """4. ``Q_i = M_i^T P^`` for factored parameters, the values of the dense ones."""
+        ctx.round = 2
+        parts, factored = [], iter(zip(ctx.matrices, ctx.bases))
+        for segment in ctx.segments:
+            if segment.low_rank:
+                matrix, basis = next(factored)
+                parts.append((matrix.T @ basis).reshape(-1))
+            else:
+                parts.append(ctx.flat[segment.offset:segment.offset + segment.numel])
+        # A fresh tensor: the exchange sums it in place, the gradient must stay.
+        return [torch.cat(parts) if len(parts) > 1 else parts[0].clone()], ctx
+
+    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        # 5. The update is P^ Q^T per factored parameter; keep Q as the next warm start.
+        wire = payload[0]
+        out = torch.empty(ctx.flat.numel(), dtype=ctx.flat.dtype)
+        position, bases = 0, iter(enumerate(ctx.bases))
+        for segment in ctx.segments:
+            target = out[segment.offset:segment.offset + segment.numel]
+            if segment.low_rank:
+                index, basis = next(bases)
+                q = wire[position:position + segment.cols * self.rank].view(segment.cols, self.rank)
+                torch.matmul(basis, q.T, out=target.view(segment.rows, segment.cols))
+                self.warm[f"{ctx.name}.{index}"] = q.clone()
+                position += segment.cols * self.rank
+            else:
+                target.copy_(wire[position:position + segment.numel])
+                position += segment.numel
+        return out
+
+    def _shared_q(self, name: str, index: int, matrix: torch.Tensor) -> torch.Tensor:
+        key = f"{name}.{index}"
+        q = self.warm.get(key)
+        if q is None or q.shape != (matrix.shape[1], self.rank):
+            # The same seed on every rank gives every rank the same first Q.
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(key.encode()))
+            q = torch.randn(matrix.shape[1], self.rank, generator=generator, dtype=matrix.dtype)
+        return q
+
+    # ----------------------------------------------------------- checkpoints
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {f"powersgd_q.{key}": q for key, q in self.warm.items()}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        for key, tensor in tensors.items():
+            kind, name = key.split(".", 1)
+            if kind == "powersgd_q":
+                self.warm[name] = tensor.clone()
+
+    def state_bytes_bound(self, params_bytes: int) -> int:
+        # Q of a factored parameter is at most half its size (min_compression >= 1, two factors).
+        return params_bytes
+
+    def payload_values(self, shapes: tuple[tuple[int, ...], ...]) -> tuple[int, int]:
+        """Values on the wire per exchange of a layer of ``shapes``: (round 1, round 2)."""
+        plan = self._plan(tuple(tuple(s) for s in shapes))
+        first = sum(s.rows * self.rank for s in plan if s.low_rank)
+        return first, sum(s.cols * self.rank if s.low_rank else s.numel for s in plan)
