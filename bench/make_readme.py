@@ -289,6 +289,24 @@ def _suite_full(model: str) -> Callable[[], str]:
     return lambda: _suite([r for (m, _), names in SUITE_FILES.items() if m == model for r in rows_of(*names)])
 
 
+def _headline() -> str:
+    """vgg_fc's time to 97% per strategy at both link rates, from the full suite."""
+    by = {(r["rate"], r["strategy"]): r for (m, _), names in SUITE_FILES.items() if m == "vgg_fc"
+          for r in rows_of(*names)}
+    strategies = list(dict.fromkeys(s for _, s in by))
+
+    def cell(rate: str, strategy: str) -> str:
+        r, ddp = by.get((rate, strategy)), by.get((rate, "ddp"))
+        if r is None:
+            return "-"
+        if not r["time_to_target_s"]:
+            return f"not reached ({percent(r['final_accuracy'])})"
+        ratio = f", {times(ddp['time_to_target_s'] / r['time_to_target_s'])}" if ddp and ddp["time_to_target_s"] else ""
+        return f"{seconds(r['time_to_target_s'])}{ratio}"
+    return table(["strategy", "100 Mbit: time to 97%, vs torch DDP", "1 Gbit: time to 97%, vs torch DDP"],
+                 [[s, cell("100mbit", s), cell("1gbit", s)] for s in strategies])
+
+
 def _accuracy_at_budget() -> str:
     cells = []
     for model in ("vgg_fc", "resnet18"):
@@ -465,6 +483,11 @@ BLOCKS: tuple[Block, ...] = (
     Block("ps_time_to_accuracy", "Parameter server: time to 97%, vgg_fc, 1 Gbit", ("ps_time_to_accuracy",),
           "python bench/ps.py --tta", "ring all-reduce with about the same global batch",
           _ps_time_to_accuracy, emulated=True),
+    Block("headline", "vgg_fc to 97% on 4 emulated hosts, every strategy",
+          tuple(n for (m, _), ns in SUITE_FILES.items() if m == "vgg_fc" for n in ns),
+          "python bench/suite.py --profile full --models vgg_fc",
+          "torch DDP (the ratio: its time over the strategy's) and DDP + PowerSGD (row powersgd)",
+          _headline, emulated=True),
     Block("suite_small", "The comparison suite, small profile (lenet)", ("suite_small",),
           "python bench/suite.py --profile small", "torch DDP",
           lambda: _suite(rows_of("suite_small")), emulated=True),
