@@ -100,7 +100,8 @@ def test_an_unknown_block_is_refused():
         refresh_blocks("<!-- bench:no_such -->\nx\n<!-- /bench:no_such -->")
 
 
-_MEASURED = re.compile(r"\d(\.\d+)? ?(ms|s|%|x|MB|kB)( |\||$)")
+# A measured figure: a number with a unit of time, bytes or share, or a ratio such as 3.6x.
+_MEASURED = re.compile(r"\d(\.\d+)?(x| ?(ms|s|%|MB|kB))( |\||,|$)")
 
 
 def test_no_table_outside_a_generated_block_holds_a_measured_figure():
