@@ -1,5 +1,6 @@
 """The benchmarks' figures from metrics and result files: a job's period, accuracy at a budget."""
 import json
+import re
 
 import pytest
 
@@ -76,3 +77,46 @@ def test_suite_steps_become_a_plan_steps_file(tmp_path):
     assert convergence.steps == {"allreduce": 50, "hierarchical K=2 T=4": 75, "allreduce blocktopk 0.01": None}
     assert (convergence.model, convergence.nodes, convergence.warmup_steps) == ("resnet18", 4, 20)
     assert "bench/two_racks.toml" in convergence.flags["hierarchical K=2 T=4"]   # relative to the repository
+
+
+# The documentation's figures come from bench/results/*.json through bench/make_readme.py.
+
+def test_bench_readme_and_the_docs_figure_blocks_are_generated():
+    from bench.make_readme import ROOT, stale_files
+    stale = [str(p.relative_to(ROOT)) for p in stale_files()]
+    assert stale == [], f"typed or outdated figures in {stale}: run python bench/make_readme.py"
+
+
+def test_a_figure_typed_into_a_block_is_replaced_by_the_measured_one():
+    from bench.make_readme import refresh_blocks, render_block
+    typed = "before\n<!-- bench:default_job -->\n| seed | 99.9% |\n<!-- /bench:default_job -->\nafter\n"
+    assert refresh_blocks(typed) == \
+        f"before\n<!-- bench:default_job -->\n{render_block('default_job')}<!-- /bench:default_job -->\nafter\n"
+
+
+def test_an_unknown_block_is_refused():
+    from bench.make_readme import refresh_blocks
+    with pytest.raises(ValueError, match="unknown figure block 'no_such'"):
+        refresh_blocks("<!-- bench:no_such -->\nx\n<!-- /bench:no_such -->")
+
+
+# A measured figure: a number with a unit of time, bytes or share, or a ratio such as 3.6x.
+_MEASURED = re.compile(r"\d(\.\d+)?(x| ?(ms|s|%|MB|kB))( |\||,|$)")
+
+
+def test_no_table_outside_a_generated_block_holds_a_measured_figure():
+    from bench.make_readme import MARKER, documents
+    for path in documents():
+        text = MARKER.sub("", path.read_text())
+        typed = [line for line in text.splitlines() if line.startswith("|") and _MEASURED.search(line)]
+        assert typed == [], f"{path.name}: measured figures typed into a table: {typed[:3]}"
+
+
+def test_a_result_file_no_block_reads_still_gets_a_table(tmp_path, monkeypatch):
+    import bench.make_readme as make_readme
+    monkeypatch.setattr(make_readme, "RESULTS", tmp_path)
+    (tmp_path / "new_bench.json").write_text(json.dumps(
+        {"machine": {"date": "2026-01-01 00:00:00", "commit": "abc", "cpus": 2, "torch": "t"},
+         "settings": {"steps": 3}, "rows": [{"mode": "a", "step_s": 0.25, "curve": [[1, 2]]}]}))
+    text = make_readme.render_bench_readme()
+    assert "### new_bench" in text and "| mode | step_s |" in text and "| a | 0.25 |" in text

@@ -1,0 +1,642 @@
+"""bench/README.md, and every figure block of the docs, generated from bench/results/*.json.
+
+    python bench/make_readme.py           # rewrite bench/README.md and the blocks in README.md, docs/*.md
+    python bench/make_readme.py --check   # exit 1, naming the stale files, when any differs
+
+A figure in the documentation is never typed: each table sits between two markers,
+
+    <!-- bench:NAME -->
+    ...generated...
+    <!-- /bench:NAME -->
+
+and this script rewrites what is between them from the result files the benchmarks
+wrote (``{"machine", "settings", "rows"}``, see bench/common.py). bench/README.md holds
+every block, each with the command that measured it and the peer it is compared with;
+a result file no block names still gets a plain table there, so a new benchmark shows
+up without editing this script. tests/test_bench_figures.py fails when the committed
+files differ from this script's output.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+BENCH_README = ROOT / "bench" / "README.md"
+MARKER = re.compile(r"(<!-- bench:([\w.-]+) -->\n)(.*?)(<!-- /bench:\2 -->)", re.S)
+
+Row = dict[str, Any]
+
+
+# 1. Reading result files and formatting cells -------------------------------------------
+
+def load(name: str) -> dict[str, Any] | None:
+    """bench/results/<name>.json, or None when that benchmark has not been run."""
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def rows_of(*names: str) -> list[Row]:
+    return [row for name in names if (data := load(name)) for row in data.get("rows", [])]
+
+
+def seconds(value: Any, missing: str = "-") -> str:
+    if value is None or value == "":
+        return missing
+    if value < 0.1:
+        return f"{value * 1000:.3g} ms"
+    return f"{value:.0f} s" if value >= 100 else f"{value:.3g} s"
+
+
+def percent(value: Any, missing: str = "-") -> str:
+    return missing if value is None or value == "" else f"{100 * value:.1f}%"
+
+
+def number(value: Any, missing: str = "-") -> str:
+    if value is None or value == "":
+        return missing
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def times(value: Any, missing: str = "-") -> str:
+    return missing if value is None or value == "" else f"{value:.2f}x"
+
+
+def table(header: Sequence[str], cells: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(lines)
+
+
+def measured_on(*names: str) -> str:
+    """Where and when: the machine line of the result files (their commits and dates)."""
+    stamps = []
+    for name in names:
+        data = load(name)
+        if data and "machine" in data:
+            m = data["machine"]
+            stamps.append(f"{m.get('date', '?')[:10]}, commit {m.get('commit', '?')}")
+    if not stamps:
+        return ""
+    first = load(names[0])["machine"] if load(names[0]) else {}
+    where = f"{first.get('cpus', '?')} CPUs, torch {first.get('torch', '?')}"
+    return f"Measured on {where} ({'; '.join(sorted(set(stamps)))})."
+
+
+# 2. The blocks: one table each, with its command and its peer -----------------------------
+
+@dataclass(frozen=True)
+class Block:
+    name: str          # the marker's NAME
+    title: str         # heading in bench/README.md
+    sources: tuple[str, ...]   # result files (without .json) it reads
+    command: str       # how to measure it again
+    peer: str          # what it is compared with
+    render: Callable[[], str]
+    emulated: bool = False   # builds network namespaces: root, and one at a time
+
+
+def _default_job() -> str:
+    rows = rows_of("default_job")
+    return table(["seed", "test accuracy", "wall time (with start-up)", "steps", "97% within 180 s"],
+                 [[str(r["seed"]), percent(r["test_accuracy"]), seconds(r["seconds"]), str(r["steps"]),
+                   "yes" if r["meets_target"] else "no"] for r in rows])
+
+
+def _engine_vs_ddp() -> str:
+    rows = rows_of("engine_vs_ddp")
+    return table(["model", "workers", "bucket KB", "engine step", "DDP step", "engine / DDP",
+                  "engine waiting on comm", "MB sent / step / worker"],
+                 [[r["model"], str(r["world"]), number(r.get("bucket_kb")), seconds(r["engine_step_s"]),
+                   seconds(r["ddp_step_s"]), number(r["engine/ddp"]), seconds(r["engine_wait_s"]),
+                   number(r["MB_sent/step"])] for r in rows])
+
+
+def _engine_vs_ddp_cluster() -> str:
+    cells = []
+    for rate in ("1gbit", "100mbit"):
+        by = {r["strategy"]: r for r in rows_of(f"engine_vs_ddp_cluster_{rate}")}
+        if "dense" in by and "ddp" in by:
+            cells.append([rate, seconds(by["dense"]["step_s"]), seconds(by["ddp"]["step_s"]),
+                          number(by["dense"]["step_s"] / by["ddp"]["step_s"])])
+    return table(["links", "engine step", "DDP step", "engine / DDP"], cells)
+
+
+def _checkpoint() -> str:
+    rows = rows_of("checkpoint")
+    return table(["model", "mode", "median step", "overhead", "stall / ckpt", "MB / ckpt", "recovery"],
+                 [[r["model"], r["mode"], seconds(r["median_step_s"]),
+                   "" if r["mode"] == "none" else f"+{r['overhead_%']:.1f}%",
+                   "" if r["mode"] == "none" else f"{r['stall_ms']:.3g} ms",
+                   "" if r["mode"] == "none" else number(r["MB_per_ckpt"]),
+                   seconds(r.get("recovery_s"), missing="")] for r in rows])
+
+
+def _compression_selection() -> str:
+    rows = rows_of("compression_selection")
+    return table(["shapes", "values", "blocktopk L1", "blocktopk L2", "+ run-length coding", "torch.topk",
+                  "torch.sum (one read)", "topk / blocktopk", "blocktopk / sum"],
+                 [[r["model"], f"{r['values_M']:.3g} M", seconds(r["blocktopk_s"]), seconds(r["blocktopk_l2_s"]),
+                   seconds(r["blocktopk_encode_s"]), seconds(r["topk_s"]), seconds(r["sum_s"]),
+                   times(r["topk/blocktopk"]), times(r["blocktopk/sum"])] for r in rows])
+
+
+def _compression_wire_bytes() -> str:
+    rows = rows_of("compression_wire_bytes")
+    compressors = list(dict.fromkeys(r["compressor"] for r in rows))
+    settings = list(dict.fromkeys((r["model"], r["world"]) for r in rows))
+    cell = {(r["model"], r["world"], r["compressor"]): r for r in rows}
+
+    def show(model: str, world: int, name: str) -> str:
+        r = cell.get((model, world, name))
+        if r is None:
+            return "-"
+        return f"{r['kB_sent/step'] / 1000:.3g} MB" if r["ratio"] == 1 else f"{r['ratio']:.0f}x"
+    return table(["model, workers", *compressors],
+                 [[f"{m}, {w}", *(show(m, w, c) for c in compressors)] for m, w in settings])
+
+
+def _compression_accuracy() -> str:
+    rows = rows_of("compression_accuracy")
+    return table(["method", "test accuracy", "vs dense (points)", "kB sent / step", "fewer bytes than dense"],
+                 [[r["method"], f"{r['test_accuracy_%']:.2f}%", f"{r['vs dense (points)']:+.1f}",
+                   number(r["kB_sent/step"]), times(r["ratio"])] for r in rows])
+
+
+def _sparse_block_size() -> str:
+    rows = rows_of("sparse_block_size")
+    return table(["block size (0: rows and filters)", "vgg_fc selection", "resnet18 selection",
+                  "vgg_fc accuracy", "vs dense (points)", "fewer bytes than dense"],
+                 [[str(r["block_size"]), seconds(r.get("vgg_fc_select_s")), seconds(r.get("resnet18_select_s")),
+                   percent(r.get("vgg_fc_accuracy")),
+                   "-" if r.get("accuracy_vs_dense") is None else f"{100 * r['accuracy_vs_dense']:+.1f}",
+                   times(r.get("bytes_vs_dense"))] for r in rows])
+
+
+def _time_to_accuracy(*names: str, reference: str | None = None) -> Callable[[], str]:
+    """Rows of time_to_accuracy files; ``reference`` supplies the dense row where a file has none."""
+    def render() -> str:
+        cells = []
+        for name in names:
+            data = load(name)
+            if not data:
+                continue
+            rows = data["rows"]
+            dense = next((r for r in rows + rows_of(reference or name) if r["strategy"] == "dense"), None)
+            for r in rows:
+                hit = r.get("time_to_target_s")
+                cells.append([data["settings"].get("rate", "-"), r["strategy"],
+                              seconds(hit, "not reached") if "error" not in r else f"failed: {r['error']}",
+                              number(r.get("steps_to_target")),
+                              times(dense["time_to_target_s"] / hit)
+                              if dense and dense.get("time_to_target_s") and hit else "-",
+                              percent(r.get("final_accuracy")), seconds(r.get("step_s")),
+                              number(r.get("MB_sent/step"))])
+        return table(["links", "strategy", "time to 97%", "steps", "vs convoy all-reduce", "best accuracy", "step",
+                      "MB / step / worker"], cells)
+    return render
+
+
+def _training_guards() -> str:
+    rows = rows_of("training_guards")
+    return table(["model", "mode", "step", "vs plain"],
+                 [[r["model"], r["mode"], f"{r['step_ms']:.3g} ms", number(r["vs_plain"])] for r in rows])
+
+
+def _hybrid() -> str:
+    rows = rows_of("hybrid")
+    return table(["model", "layout", "ring MB", "link MB", "total MB", "vs data", "busiest worker MB", "step",
+                  "peak RSS conv (or data) / FC"],
+                 [[r["model"], r["layout"], number(r["ring_MB/step/worker"]), number(r["link_MB/step/worker"]),
+                   number(r["total_MB/step/worker"]), number(r["bytes_vs_data"]), number(r["max_MB/step/worker"]),
+                   seconds(r["step_s"]),
+                   f"{r['peak_MB_conv_or_data']:.0f}" + (f" / {r['peak_MB_fc']:.0f} MB" if r.get("peak_MB_fc") else " MB")]
+                  for r in rows])
+
+
+def _hierarchical() -> str:
+    rows = rows_of("hierarchical")
+    return table(["run", "steps", "time to 97%", "accuracy at the common step", "final accuracy", "step (median)",
+                  "inter-rack MB / step", "fewer than flat", "max drift"],
+                 [[r["run"], str(r["steps"]),
+                   seconds(r["time_to_target_s"], "not reached") + (f" (step {r['steps_to_target']})"
+                                                                    if r["steps_to_target"] else ""),
+                   percent(r["acc_at_common_step"]), percent(r["final_accuracy"]), seconds(r["step_s"]),
+                   number(r["inter_rack_MB/step"]), times(r.get("inter_rack_vs_flat")), number(r["max_drift"])]
+                  for r in rows])
+
+
+def _ps(name: str) -> Callable[[], str]:
+    def render() -> str:
+        rows = rows_of(name)
+        return table(["model", "link", "config", "workers", "step", "vs fifo", "samples / s", "steps measured"],
+                     [[r["model"], r["rate"], r["config"], str(r["workers"]), seconds(r["step_s"]),
+                       times(r["speedup_vs_fifo"]), number(r["samples/s"]), str(r["steps_measured"])]
+                      for r in rows])
+    return render
+
+
+def _ps_time_to_accuracy() -> str:
+    rows = rows_of("ps_time_to_accuracy")
+    return table(["config", "time to 97%", "steps", "final accuracy"],
+                 [[r["config"], seconds(r["time_to_target_s"], "not reached"), number(r["steps_to_target"]),
+                   percent(r["final_accuracy"])] for r in rows])
+
+
+def _cluster_allreduce() -> str:
+    rows = rows_of("cluster_allreduce_100mbit_4", "cluster_allreduce_100mbit_4_busy",
+                   "cluster_allreduce_1gbit_4", "cluster_allreduce_1gbit_4_busy")
+    return table(["size", "hosts", "links", "ranks busy", "gloo all-reduce", "ring bound", "measured / bound"],
+                 [[f"{r['size_MB']:g} MB", str(r["hosts"]), r["rate"], "yes" if r["busy"] else "no",
+                   seconds(r["allreduce_s"]), seconds(r["ring_bound_s"]), number(r["measured/bound"])]
+                  for r in rows])
+
+
+SUITE_FILES = {
+    ("vgg_fc", "1gbit"): ("suite_full_vgg_fc_1gbit",),
+    ("vgg_fc", "100mbit"): ("suite_full_vgg_fc_100mbit", "suite_full_vgg_fc_100mbit_slow",
+                            "suite_full_vgg_fc_100mbit_ps"),
+    ("resnet18", "1gbit"): ("suite_full_resnet18_1gbit_a", "suite_full_resnet18_1gbit_b",
+                            "suite_full_resnet18_1gbit_c"),
+    ("resnet18", "100mbit"): ("suite_full_resnet18_100mbit_a", "suite_full_resnet18_100mbit_b",
+                              "suite_full_resnet18_100mbit_c", "suite_full_resnet18_100mbit_blocktopk_global",
+                              "suite_full_resnet18_100mbit_ps"),
+}
+
+
+def _suite(rows: list[Row]) -> str:
+    dense = {(r["model"], r["rate"]): r for r in rows if r["strategy"] == "dense"}
+
+    def speedup(r: Row) -> str:
+        d = dense.get((r["model"], r["rate"]))
+        return times(d["time_to_target_s"] / r["time_to_target_s"]) \
+            if d and d["time_to_target_s"] and r["time_to_target_s"] else "-"
+    return table(["model", "links", "strategy", "step", "step / limit", "time to 97%", "vs convoy all-reduce",
+                  "accuracy at the end", "MB / step / worker"],
+                 [[r["model"], r["rate"], r["strategy"], seconds(r["step_s"]), number(r["step_vs_limit"]),
+                   seconds(r["time_to_target_s"], "not reached")
+                   + (f" (step {r['steps_to_target']})" if r["steps_to_target"] else ""),
+                   speedup(r), percent(r["final_accuracy"]), number(r["MB_sent/step"])] for r in rows])
+
+
+def _suite_full(model: str) -> Callable[[], str]:
+    return lambda: _suite([r for (m, _), names in SUITE_FILES.items() if m == model for r in rows_of(*names)])
+
+
+def _headline() -> str:
+    """vgg_fc's time to 97% per strategy at both link rates, from the full suite."""
+    by = {(r["rate"], r["strategy"]): r for (m, _), names in SUITE_FILES.items() if m == "vgg_fc"
+          for r in rows_of(*names)}
+    strategies = list(dict.fromkeys(s for _, s in by))
+
+    def cell(rate: str, strategy: str) -> str:
+        r, ddp = by.get((rate, strategy)), by.get((rate, "ddp"))
+        if r is None:
+            return "-"
+        if not r["time_to_target_s"]:
+            return f"not reached ({percent(r['final_accuracy'])})"
+        ratio = f", {times(ddp['time_to_target_s'] / r['time_to_target_s'])}" if ddp and ddp["time_to_target_s"] else ""
+        return f"{seconds(r['time_to_target_s'])}{ratio}"
+    return table(["strategy", "100 Mbit: time to 97%, vs torch DDP", "1 Gbit: time to 97%, vs torch DDP"],
+                 [[s, cell("100mbit", s), cell("1gbit", s)] for s in strategies])
+
+
+def _accuracy_at_budget() -> str:
+    cells = []
+    for model in ("vgg_fc", "resnet18"):
+        for rate in ("100mbit", "1gbit"):
+            rows = rows_of(f"accuracy_at_budget_{model}_{rate}")
+            if rows:
+                ranked = sorted(rows, key=lambda r: -(r["accuracy_at_budget"] or 0))
+                cells.append([f"{model}, {rate}", seconds(rows[0]["budget_s"]),
+                              ", ".join(f"{r['strategy']} {percent(r['accuracy_at_budget'], 'not evaluated yet')}"
+                                        for r in ranked)])
+    return table(["setting", "budget (the first run to 97%)", "accuracy at the budget"], cells)
+
+
+def _steady_steps() -> str:
+    cells = []
+    for model in ("vgg_fc", "resnet18"):
+        by_rate = {rate: {r["strategy"]: r for r in rows_of(f"simulator_runs_{model}_{rate}")}
+                   for rate in ("100mbit", "1gbit")}
+        for strategy in dict.fromkeys(s for rows in by_rate.values() for s in rows):
+            slow, fast = by_rate["100mbit"].get(strategy, {}), by_rate["1gbit"].get(strategy, {})
+            cells.append([model, strategy, seconds(slow.get("step_s")), seconds(fast.get("step_s")),
+                          number((slow or fast).get("MB_sent/step"))])
+    return table(["model", "strategy", "step at 100 Mbit", "step at 1 Gbit", "MB / step / worker"], cells)
+
+
+def _simulator_runs(model: str) -> Callable[[], str]:
+    def render() -> str:
+        rows = [r for r in rows_of("simulator_validation")
+                if r["source"].startswith(f"simulator_runs_{model}_") and r["unit"] == "s"]
+        strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+        by = {(r["strategy"], rate): r for r in rows for rate in ("100mbit", "1gbit") if f" {rate}," in r["setting"]}
+
+        def cells(strategy: str, rate: str) -> list[str]:
+            r = by.get((strategy, rate))
+            return ["-"] * 3 if r is None else [seconds(r["measured"]), seconds(r["predicted"]),
+                                                f"{r['error_%']:+.0f}%"]
+        return table(["strategy", "100 Mbit measured", "predicted", "error", "1 Gbit measured", "predicted",
+                      "error"], [[s, *cells(s, "100mbit"), *cells(s, "1gbit")] for s in strategies])
+    return render
+
+
+def _simulator_errors() -> str:
+    rows = [r for r in rows_of("simulator_validation") if r["unit"] == "s"]
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        family = r["strategy"].split()[1] if r["strategy"].startswith("allreduce ") and \
+            len(r["strategy"].split()) > 1 else r["strategy"].split()[0]
+        family = "powersgd" if "powersgd" in r["strategy"] else family
+        groups.setdefault((r["kind"], family), []).append(abs(r["error_%"]))
+    within = sum(1 for r in rows if r["kind"] == "validation" and abs(r["error_%"]) <= 20)
+    total = sum(1 for r in rows if r["kind"] == "validation")
+    text = table(["kind", "strategy", "cases", "mean abs error", "max abs error"],
+                 [[k, s, str(len(e)), f"{sum(e) / len(e):.0f}%", f"{max(e):.0f}%"]
+                  for (k, s), e in sorted(groups.items())])
+    return f"{text}\n\nValidation rows within 20%: {within} of {total}."
+
+
+def _simulator_projection() -> str:
+    rows = rows_of("simulator_projection")
+    settings = list(dict.fromkeys((r["model"], r["gbit"]) for r in rows))
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    eff = {(r["model"], r["gbit"], r["nodes"], r["strategy"]): r["efficiency"] for r in rows}
+    parts = []
+    for nodes in (64, 1024):
+        parts.append(f"{nodes} nodes:\n\n" + table(
+            ["strategy", *(f"{m} {g}G" for m, g in settings)],
+            [[s, *(f"{100 * eff[(m, g, nodes, s)]:.0f}%" if (m, g, nodes, s) in eff else "-" for m, g in settings)]
+             for s in strategies]))
+    return "\n\n".join(parts)
+
+
+def _horovod_check() -> str:
+    data = load("simulator_projection") or {"settings": {}}
+    check = data["settings"].get("horovod_check", {})
+    return table(["model", "Horovod (512 GPUs, 25 Gbit)", "simulator", "predicted step"],
+                 [[m, percent(c.get("published")), percent(c.get("predicted")), seconds(c.get("step_s"))]
+                  for m, c in check.items()])
+
+
+def _plan_time_to_target() -> str:
+    data = load("plan_time_to_target") or {"settings": {}}
+    verdicts = data["settings"].get("verdicts", [])
+    rows = {(r["model"], r["rate"], r["strategy"]): r for r in data.get("rows", [])}
+
+    def predicted(v: Row) -> str:
+        r = rows.get((v["model"], v["rate"], v["plan_top"]))
+        return seconds(r["predicted_time_s"]) if r else "-"
+    return table(["model, link", "steps measured at", "plan's first", "predicted", "measured",
+                  "fastest measured convoy strategy", "fastest / first", "fastest peer"],
+                 [[f"{v['model']}, {v['rate']}", v["steps_from"], v["plan_top"], predicted(v),
+                   seconds(v["plan_top_measured_s"]), f"{v['fastest_measured']}: {seconds(v['fastest_measured_s'])}",
+                   number(v["fastest_vs_plan_top"]), f"{v['fastest_peer']}: {seconds(v['fastest_peer_s'])}"]
+                  for v in verdicts])
+
+
+def _simulator_checks() -> str:
+    rows = rows_of("simulator_checks")
+    return table(["check", "small collective done after", "large collective done after"],
+                 [[r["check"], seconds(r["small_done_s"]), seconds(r["large_done_s"])]
+                  for r in rows if r["check"] == "lanes"])
+
+
+TTA = ("python bench/time_to_accuracy.py --model vgg_fc --lr 0.02 --batch-size 16 --steps 400 "
+       "--eval-every 25 --warmup-steps 20 --rate 100mbit")
+SIM_RUNS = tuple(f"simulator_runs_{m}_{r}" for m in ("vgg_fc", "resnet18") for r in ("100mbit", "1gbit"))
+
+BLOCKS: tuple[Block, ...] = (
+    Block("default_job", "The default job", ("default_job",),
+          "python bench/default_job.py", "the goal: 97% test accuracy within 180 s", _default_job),
+    Block("engine_vs_ddp", "Engine against torch DDP, loopback", ("engine_vs_ddp",),
+          "python bench/engine_vs_ddp.py --models vgg_fc resnet18 --worlds 2 --steps 20",
+          "torch DDP, same model, data, initialisation and optimizer", _engine_vs_ddp),
+    Block("engine_vs_ddp_cluster", "Engine against torch DDP, 4 emulated hosts",
+          ("engine_vs_ddp_cluster_1gbit", "engine_vs_ddp_cluster_100mbit"),
+          "python bench/time_to_accuracy.py --strategies dense ddp --rate 1gbit|100mbit",
+          "torch DDP", _engine_vs_ddp_cluster, emulated=True),
+    Block("cluster_allreduce", "gloo all-reduce on emulated hosts",
+          ("cluster_allreduce_100mbit_4", "cluster_allreduce_100mbit_4_busy", "cluster_allreduce_1gbit_4",
+           "cluster_allreduce_1gbit_4_busy"),
+          "python bench/cluster_allreduce.py --rate 100mbit|1gbit [--busy]",
+          "the bandwidth-optimal ring, 2 (N - 1) / N x bytes / rate", _cluster_allreduce, emulated=True),
+    Block("checkpoint", "Checkpointing every step", ("checkpoint",),
+          "python bench/checkpoint.py --steps 8 --rounds 3",
+          "torch.save and torch.distributed.checkpoint's async_save every step; torch.load for recovery",
+          _checkpoint),
+    Block("compression_selection", "Block selection against torch.topk", ("compression_selection",),
+          "python -m bench.compression.selection", "torch.topk at the same number of elements",
+          _compression_selection),
+    Block("compression_wire_bytes", "Bytes each worker sends per step", ("compression_wire_bytes",),
+          "python -m bench.compression.wire_bytes",
+          "dense fp32 all-reduce (first column; the others are how many times fewer bytes)",
+          _compression_wire_bytes),
+    Block("compression_accuracy", "Accuracy of the compressors, lenet, 4 workers", ("compression_accuracy",),
+          "python -m bench.compression.accuracy", "torch DDP with torch's PowerSGD hook", _compression_accuracy),
+    Block("sparse_block_size", "blocktopk's block size", ("sparse_block_size",),
+          "python -m bench.sparse_block_size", "dense all-reduce (accuracy and bytes)", _sparse_block_size),
+    Block("tta_vgg_fc_100mbit", "Time to 97%: compressors, vgg_fc, 4 hosts at 100 Mbit",
+          ("time_to_accuracy_vgg_fc_100mbit", "time_to_accuracy_vgg_fc_100mbit_powersgd"),
+          f"{TTA} (PowerSGD again with --tag powersgd --strategies powersgd)",
+          "torch DDP and DDP + PowerSGD (rank 2), same data order",
+          _time_to_accuracy("time_to_accuracy_vgg_fc_100mbit", "time_to_accuracy_vgg_fc_100mbit_powersgd",
+                            reference="time_to_accuracy_vgg_fc_100mbit"), emulated=True),
+    Block("tta_vgg_fc_100mbit_sparse", "Time to 97%: sparse blocktopk 1% with DGC's corrections",
+          ("time_to_accuracy_vgg_fc_100mbit_sparse",),
+          "python bench/time_to_accuracy.py --hosts 4 --rate 100mbit --model vgg_fc --target 0.97 "
+          "--strategies powersgd blocktopk --tag sparse",
+          "DDP + PowerSGD (rank 2); dense from the 100 Mbit run above",
+          _time_to_accuracy("time_to_accuracy_vgg_fc_100mbit_sparse", reference="time_to_accuracy_vgg_fc_100mbit"),
+          emulated=True),
+    Block("tta_lenet_100mbit", "Time to 97%: lenet, 4 hosts at 100 Mbit", ("time_to_accuracy_lenet_100mbit",),
+          "python bench/time_to_accuracy.py --model lenet --lr 0.05 --batch-size 32 --steps 600 --eval-every 20 "
+          "--rate 100mbit", "torch DDP and DDP + PowerSGD",
+          _time_to_accuracy("time_to_accuracy_lenet_100mbit"), emulated=True),
+    Block("training_guards", "What the training guards cost", ("training_guards",),
+          "python bench/training_guards.py", "the plain engine in the same run", _training_guards),
+    Block("hybrid", "Hybrid layout: bytes per worker per step, loopback", ("hybrid",),
+          "python bench/hybrid.py --steps 12", "data parallelism on the same 4 processes and global batch", _hybrid),
+    Block("tta_vgg_fc_hybrid", "Time to 97%: hybrid, vgg_fc, 4 hosts at 100 Mbit and on loopback",
+          ("time_to_accuracy_vgg_fc_100mbit_hybrid", "time_to_accuracy_vgg_fc_loopback"),
+          f"{TTA.replace(' --warmup-steps 20', '')} --tag hybrid --strategies hybrid-3+1 hybrid-2+2; "
+          "--rate loopback for 4 local processes",
+          "convoy data-parallel all-reduce (at 100 Mbit: its row in the compressors' run)",
+          _time_to_accuracy("time_to_accuracy_vgg_fc_100mbit_hybrid", "time_to_accuracy_vgg_fc_loopback",
+                                          reference="time_to_accuracy_vgg_fc_100mbit"), emulated=True),
+    Block("hierarchical", "Hierarchical sync on two emulated racks", ("hierarchical",),
+          "python bench/hierarchical.py",
+          "flat all-reduce, and torch's hierarchical SGD (post-local-SGD hook + HierarchicalModelAverager, "
+          "bench/peers/hier_sgd.py)", _hierarchical, emulated=True),
+    Block("ps", "Parameter server: step time by priority mode (default subset)", ("ps",),
+          "python bench/ps.py", "FIFO (whole tensors, one channel, no window) and ring all-reduce",
+          _ps("ps"), emulated=True),
+    Block("ps_full", "Parameter server: every configuration", ("ps_full",),
+          "python bench/ps.py --full", "FIFO and ring all-reduce", _ps("ps_full"), emulated=True),
+    Block("ps_time_to_accuracy", "Parameter server: time to 97%, vgg_fc, 1 Gbit", ("ps_time_to_accuracy",),
+          "python bench/ps.py --tta", "ring all-reduce with about the same global batch",
+          _ps_time_to_accuracy, emulated=True),
+    Block("headline", "vgg_fc to 97% on 4 emulated hosts, every strategy",
+          tuple(n for (m, _), ns in SUITE_FILES.items() if m == "vgg_fc" for n in ns),
+          "python bench/suite.py --profile full --models vgg_fc",
+          "torch DDP (the ratio: its time over the strategy's) and DDP + PowerSGD (row powersgd)",
+          _headline, emulated=True),
+    Block("suite_small", "The comparison suite, small profile (lenet)", ("suite_small",),
+          "python bench/suite.py --profile small", "torch DDP",
+          lambda: _suite(rows_of("suite_small")), emulated=True),
+    Block("suite_vgg_fc", "The comparison suite, full profile: vgg_fc",
+          tuple(n for (m, _), ns in SUITE_FILES.items() if m == "vgg_fc" for n in ns),
+          "python bench/suite.py --profile full --models vgg_fc --rates 1gbit|100mbit [--strategies ...] --tag TAG",
+          "torch DDP and DDP + PowerSGD rank 2", _suite_full("vgg_fc"), emulated=True),
+    Block("suite_resnet18", "The comparison suite, full profile: resnet18",
+          tuple(n for (m, _), ns in SUITE_FILES.items() if m == "resnet18" for n in ns),
+          "python bench/suite.py --profile full --models resnet18 --rates 1gbit|100mbit [--strategies ...] --tag TAG",
+          "torch DDP and DDP + PowerSGD rank 2", _suite_full("resnet18"), emulated=True),
+    Block("accuracy_at_budget", "Every strategy at one wall-time budget",
+          tuple(f"accuracy_at_budget_{m}_{r}" for m in ("vgg_fc", "resnet18") for r in ("100mbit", "1gbit")),
+          "python bench/accuracy_at_budget.py FILES --name NAME",
+          "the first run of the setting to reach 97%", _accuracy_at_budget),
+    Block("simulator_runs", "Steady step of every strategy, 4 emulated hosts", SIM_RUNS,
+          "python bench/simulator_runs.py --model vgg_fc|resnet18 --rate 100mbit|1gbit",
+          "torch DDP and DDP + PowerSGD (rows ddp, powersgd)", _steady_steps, emulated=True),
+    Block("simulator_vgg_fc", "Simulator against measured steps: vgg_fc", ("simulator_validation",),
+          "python bench/simulator_validation.py (after the simulator_runs above)",
+          "the measured step on 4 emulated hosts", _simulator_runs("vgg_fc")),
+    Block("simulator_resnet18", "Simulator against measured steps: resnet18", ("simulator_validation",),
+          "python bench/simulator_validation.py (after the simulator_runs above)",
+          "the measured step on 4 emulated hosts", _simulator_runs("resnet18")),
+    Block("simulator_errors", "Simulator error per strategy, every timed row", ("simulator_validation",),
+          "python bench/simulator_validation.py", "every measured result file the script knows", _simulator_errors),
+    Block("simulator_checks", "gloo runs two collectives at once", ("simulator_checks",),
+          "python bench/simulator_checks.py", "a small all-reduce started after a large one", _simulator_checks),
+    Block("plan_time_to_target", "convoy plan's first pick against the measured time to 97%",
+          ("plan_time_to_target",), "python bench/plan_time_to_target.py",
+          "the fastest measured convoy strategy and the fastest peer", _plan_time_to_target),
+    Block("simulator_projection", "Projected scaling efficiency (a model, not a measurement)",
+          ("simulator_projection",), "python bench/simulator_projection.py",
+          "N x convoy's engine on one node", _simulator_projection),
+    Block("horovod_check", "The simulator against Horovod's published table", ("simulator_projection",),
+          "python bench/simulator_projection.py", "Horovod's benchmark page (512 GPUs, 25 Gbit RoCE)",
+          _horovod_check),
+)
+BY_NAME = {b.name: b for b in BLOCKS}
+
+
+def render_block(name: str) -> str:
+    """The text between a block's markers: the table, then the command and the peer."""
+    block = BY_NAME[name]
+    if not any(load(s) for s in block.sources):
+        return f"(not measured yet: `{block.command}`)\n"
+    stamp = measured_on(*block.sources)
+    try:
+        body = block.render()
+    except (KeyError, TypeError, ZeroDivisionError) as missing:
+        # A benchmark changed its columns: show its rows as written until its table here catches up.
+        body = "\n\n".join(_plain(s, load(s)) for s in block.sources if load(s)) + \
+            f"\n(the columns changed: {type(missing).__name__} {missing}; update bench/make_readme.py)"
+    where = " (as root, under `flock /tmp/convoy-netns.lock`: it builds emulated hosts)" if block.emulated else ""
+    return (f"{body}\n\nCommand: `{block.command}`{where}. Compared with: {block.peer}. {stamp}\n"
+            f"Generated by `python bench/make_readme.py` from bench/results/{block.sources[0]}.json"
+            f"{' and others' if len(block.sources) > 1 else ''}; do not edit.\n")
+
+
+# 3. Files no block names: a plain table, so new benchmarks show up ------------------------
+
+def _plain(name: str, data: dict[str, Any]) -> str:
+    rows = data.get("rows", [])
+    columns = [c for c in dict.fromkeys(k for r in rows for k in r)
+               if all(not isinstance(r.get(c), (list, dict)) for r in rows)]
+    body = table(columns, [[number(r.get(c), "") for c in columns] for r in rows]) if rows else "(no rows)"
+    return f"### {name}\n\n{body}\n\nSettings: `{json.dumps(data.get('settings', {}))}`. {measured_on(name)}\n"
+
+
+def unclaimed() -> list[str]:
+    claimed = {s for b in BLOCKS for s in b.sources}
+    names = []
+    for path in sorted(RESULTS.glob("*.json")):
+        if path.stem in claimed:
+            continue
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and isinstance(data.get("rows"), list):
+            names.append(path.stem)
+    return names
+
+
+# 4. The files -------------------------------------------------------------------------------
+
+HEADER = """# Benchmarks: every measured figure
+
+Generated by `python bench/make_readme.py` from `bench/results/*.json`; do not edit
+(tests/test_bench_figures.py checks this file against the script). Each table says
+the command that measured it and the peer it is compared with. The machine is a
+2-core x86 CPU VM with torch 2.13.0 CPU and gloo, one torch thread per worker, often
+shared with other jobs: absolute times are inflated and noisy, ratios measured inside
+one run are what to read. What the figures mean, and where they fall short of their
+goals, is in the capability pages under docs/ (docs/benchmarks.md lists them).
+"""
+
+
+def render_bench_readme() -> str:
+    parts = [HEADER]
+    for block in BLOCKS:
+        parts.append(f"## {block.title}\n\n<!-- bench:{block.name} -->\n{render_block(block.name)}"
+                     f"<!-- /bench:{block.name} -->\n")
+    extra = unclaimed()
+    if extra:
+        parts.append("## Other result files\n\nNo section above reads these yet; each as written.\n")
+        parts += [_plain(name, json.loads((RESULTS / f"{name}.json").read_text())) for name in extra]
+    return "\n".join(parts)
+
+
+def refresh_blocks(text: str) -> str:
+    """``text`` with every known ``<!-- bench:NAME -->`` block regenerated."""
+    def replace(match: re.Match[str]) -> str:
+        name = match.group(2)
+        if name not in BY_NAME:
+            raise ValueError(f"unknown figure block '{name}'; known: {', '.join(BY_NAME)}")
+        return f"{match.group(1)}{render_block(name)}{match.group(4)}"
+    return MARKER.sub(replace, text)
+
+
+def documents() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def expected_files() -> dict[Path, str]:
+    """Every generated file's expected text: bench/README.md, and each document with blocks."""
+    files = {BENCH_README: render_bench_readme()}
+    for path in documents():
+        if path.exists():
+            files[path] = refresh_blocks(path.read_text())
+    return files
+
+
+def stale_files() -> list[Path]:
+    return [p for p, text in expected_files().items() if not p.exists() or p.read_text() != text]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a file is stale")
+    args = parser.parse_args(argv)
+    if args.check:
+        stale = stale_files()
+        for path in stale:
+            print(f"stale: {path.relative_to(ROOT)} (run python bench/make_readme.py)", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in expected_files().items():
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+            print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
