@@ -36,10 +36,10 @@ def _kill_after_first_checkpoint(ckpt: Path, out: Path, delay_s: float) -> bool:
                              "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True, env=os.environ.copy())
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 420
         while committed_step(ckpt / "model-rank0.ckpt") < 1:
             assert proc.poll() is None, proc.communicate()[1][-2000:]
-            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            assert time.monotonic() < deadline, "no checkpoint within 420 s"
             time.sleep(0.01)
         time.sleep(delay_s)
         running = proc.poll() is None
