@@ -26,7 +26,7 @@ from convoy.models import build_model  # noqa: E402
 from convoy.sync import ring_allreduce_bytes  # noqa: E402
 from convoy.train.metrics import MetricsWriter  # noqa: E402
 from convoy.train.optim import lr_lambda  # noqa: E402
-from convoy.train.scoring import score  # noqa: E402
+from convoy.parallel.scoring import score  # noqa: E402
 
 
 class _CountedAllReduce:

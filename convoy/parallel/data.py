@@ -11,7 +11,7 @@ from torch import nn
 from convoy.engine import Engine
 from convoy.engine.gradients import LossScaler
 from convoy.parallel.base import ParallelLayout
-from convoy.train.scoring import average_buffers, score
+from convoy.parallel.scoring import average_buffers, score
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -30,7 +30,7 @@ from convoy.engine import Engine
 from convoy.errors import UsageError
 from convoy.models import split_point
 from convoy.parallel.base import ParallelLayout
-from convoy.train.scoring import EVAL_CHUNK, chunks, finish, tally
+from convoy.parallel.scoring import EVAL_CHUNK, chunks, finish, tally
 
 EngineFactory = Callable[[nn.Module, dist.ProcessGroup], Engine]
 

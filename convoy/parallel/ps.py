@@ -30,7 +30,7 @@ from convoy.ps.settings import PSSettings
 from convoy.ps.timeline import Timeline
 from convoy.ps.worker import PushPull
 from convoy.sync.allreduce import AllReduce
-from convoy.train.scoring import chunks, finish, tally
+from convoy.parallel.scoring import chunks, finish, tally
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
