@@ -156,6 +156,7 @@ class CheckpointListener(Listener):
         self._hooked = False
         self._step = engine.step                            # the step the auxiliary thread is in
         self._full_due, self._since_full = True, 0          # the writer's next checkpoint kind
+        self._based = False                                 # a full snapshot was taken in this run
         self._log: DiffLog | None = None                    # the differential log being appended to
         self._cond = threading.Condition()
         self._ends_in_flight = 0
@@ -180,23 +181,31 @@ class CheckpointListener(Listener):
         return (step + 1 - self._every_from) % self.every == 0
 
     # ------------------------------------------------ engine's auxiliary thread
+    def logs_update(self, step: int) -> bool:
+        """Whether the writer appends ``step``'s update to the log: every step after a full
+        snapshot (a later checkpoint replays them all), except the steps that take a new one."""
+        return bool(self.model_store is not None and self.full_every and self._based
+                    and not (self._full_due and self.due(step)))
+
     def on_layer_updated(self, layer: Any, step: int) -> None:
         if not self._hooked:
             self._hook_optimizers()
-        if not self.due(step):
+        due, logged = self.due(step), self.logs_update(step)
+        if not due and not logged:
             return
         start = time.perf_counter()
         self._raise_if_failed()
-        for name, buf in module_buffers(layer.name, layer.module):
-            self._buffers[name] = buf.detach().clone()
+        if due:
+            for name, buf in module_buffers(layer.name, layer.module):
+                self._buffers[name] = buf.detach().clone()
         if self.model_store is not None:
-            self._hand_over(layer, step)
+            self._hand_over(layer, step, logged)
         self.stats["stall_s"] += time.perf_counter() - start
 
-    def _hand_over(self, layer: Any, step: int) -> None:
+    def _hand_over(self, layer: Any, step: int, logged: bool) -> None:
         """Queue the writer's part of ``layer`` at ``step``: its update (differential) or its tensors."""
         index = self._slot_of[layer.name]
-        if not self._full_due:
+        if logged:
             captured = self._grads.get(index)
             update = captured[1:] if captured is not None and captured[0] == step else None
             self._queue.put(("update", step, index, update))   # None: the update was skipped
@@ -229,7 +238,7 @@ class CheckpointListener(Listener):
             if any(self._held[index] for index, _ in layers):
                 self.stats["blocked_s"] += self._wait(lambda: not any(self._held[i] for i, _ in layers))
             step = self._step
-            if self.full_every and not self._full_due and self.due(step):
+            if self.logs_update(step):
                 hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params" and _jsonable(v)}
                 for index, params in layers:
                     # A copy: the engine zeroes the gradient buffer right after the update.
@@ -243,6 +252,11 @@ class CheckpointListener(Listener):
             if self._auto.decided_at(step):
                 self._adopt(self._auto.decide(self.stats), step)
         if not self.due(step):
+            if self.logs_update(step):   # the writer's log record of a step between checkpoints
+                self.stats["blocked_s"] += self._wait(lambda: self._ends_in_flight < 2)
+                with self._cond:
+                    self._ends_in_flight += 1
+                self._queue.put(("end", step, None, None, False))
             return
         start = time.perf_counter()
         state = rank_state(self.model, self.engine.sync, self._buffers)
@@ -256,6 +270,7 @@ class CheckpointListener(Listener):
         if self.model_store is not None and self.full_every:
             self._since_full = 0 if full else self._since_full + 1
             self._full_due = self._since_full + 1 >= self.full_every
+            self._based = True
         # At most two steps' rank state in flight: bounded memory on every rank.
         self.stats["blocked_s"] += self._wait(lambda: self._ends_in_flight < 2)
         with self._cond:
@@ -266,8 +281,8 @@ class CheckpointListener(Listener):
     def _adopt(self, every: int, step: int) -> None:
         self.every, self._every_from = every, step + 1
         if self.rank == 0:
-            print(f"convoy: checkpoint: every {every} step{'s' if every > 1 else ''} "
-                  f"({self._auto.describe()})", file=sys.stderr, flush=True)
+            print(f"convoy: checkpoint: every {every} step{'s' if every > 1 else ''}, the longest interval "
+                  f"any rank chose ({self._auto.describe()})", file=sys.stderr, flush=True)
 
     def _wait(self, predicate: Any) -> float:
         start = time.perf_counter()
@@ -334,9 +349,15 @@ class CheckpointListener(Listener):
         grads, hyper = update
         updates[name] = {"hyper": hyper, "grads": [difflog.sparse(g) for g in grads]}
 
-    def _persist_end(self, step: int, state: dict, extra: dict, full: bool, checksums: dict, metas: dict,
-                     updates: dict) -> None:
+    def _persist_end(self, step: int, state: dict | None, extra: dict | None, full: bool, checksums: dict,
+                     metas: dict, updates: dict) -> None:
         done = step + 1
+        if state is None:   # a step between checkpoints: only the writer's log record
+            self._commit_update(done, updates, checkpoint=False)
+            with self._cond:
+                self._ends_in_flight -= 1
+                self._cond.notify_all()
+            return
         epoch, position = divmod(done, self.steps_per_epoch)
         if self.rank != self.writer_rank:
             # Never let this file get two checkpoints ahead of the model file.
@@ -374,15 +395,15 @@ class CheckpointListener(Listener):
         self.stats["commits"] += 1
         self.stats["full"] += 1
 
-    def _commit_update(self, done: int, updates: dict) -> None:
+    def _commit_update(self, done: int, updates: dict, checkpoint: bool = True) -> None:
         layout = self.model_store.layout
         if len(updates) != len(layout.slots) or self._log is None:
             raise CheckpointError(f"step {done - 1}: {len(updates)} of {len(layout.slots)} layer updates kept")
         payload = difflog.pack({"step": done, "layers": updates})
         self._log.append(done, payload)
         self.stats["bytes_written"] += len(payload)
-        self.stats["commits"] += 1
-        self.stats["differential"] += 1
+        self.stats["commits"] += checkpoint
+        self.stats["differential"] += checkpoint
 
     def _persist_rank_state(self, done: int, epoch: int, position: int, state: dict) -> None:
         layout = rank_layout(state, {"rank": self.rank})
@@ -477,7 +498,7 @@ class _AutoFrequency:
 
     def describe(self) -> str:
         s = self.summary
-        return (f"measured: step {1000 * s['step_s']:.0f} ms, a checkpoint costs {1000 * s['cost_s']:.0f} ms "
+        return (f"rank 0 measured: step {1000 * s['step_s']:.0f} ms, a checkpoint costs {1000 * s['cost_s']:.0f} ms "
                 f"on the training path, persists in {1000 * s['persist_s']:.0f} ms; budget {100 * self.budget:g}%")
 
 

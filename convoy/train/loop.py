@@ -120,7 +120,8 @@ def start_checkpoints(config: TrainConfig, layout: ParallelLayout, total_steps: 
     if config.checkpoint_dir is None:
         return None
     optimizer_class, hyper = optimizer_spec(config)
-    settings = CheckpointSettings(config.checkpoint_dir, config.checkpoint_every, config.resume, config.timeout)
+    settings = CheckpointSettings(config.checkpoint_dir, config.checkpoint_every, config.resume, config.timeout,
+                                  config.checkpoint_budget, config.checkpoint_full_every)
     module, group_ranks, full_names = layout.checkpoint_scope()
     return start_checkpointing(settings, module, layout.engine, optimizer_class, hyper, total_steps,
                                steps_per_epoch, group_ranks, full_names)
