@@ -7,8 +7,11 @@ Two gloo workers on loopback, one torch thread each, SGD with momentum, the
 state checkpointed after every step by:
 
 - none: no checkpoint (the baseline step time);
-- convoy: the engine listener: each layer staged when updated, persisted by a
-  background thread into the mmap'd file (rank 0 writes the model, every rank its state);
+- convoy: the engine listener: each layer handed over when updated and written
+  from the live tensors by a background thread (its next update waits for that),
+  one fdatasync per checkpoint (rank 0 writes the model, every rank its state);
+  with ``--compress`` differential checkpoints (the sparse update each step, a
+  full snapshot every 10), and ``convoy_full`` the same without them;
 - torch_save: rank 0 calls torch.save of the model and optimizer state after
   each step (synchronous, after engine.synchronize()); nothing is fsynced, so
   the checkpoint may still sit in the page cache when the machine goes down;
@@ -47,7 +50,7 @@ from bench.common import RESULTS, save, spawn  # noqa: E402
 from bench.engine_vs_ddp import _batch, _model, _timed  # noqa: E402
 from convoy.checkpoint import CheckpointSettings, start_checkpointing  # noqa: E402
 from convoy.checkpoint.fsinfo import fs_info  # noqa: E402
-from convoy.checkpoint.recovery import restore_model, scan, valid_steps  # noqa: E402
+from convoy.checkpoint.recovery import read_updates, replay_updates, restore_model, restore_points, scan  # noqa: E402
 from convoy.checkpoint.store import Store  # noqa: E402
 from convoy.compress import COMPRESS_NAMES, build_compressor  # noqa: E402
 from convoy.engine import Engine  # noqa: E402
@@ -55,6 +58,11 @@ from convoy.sync import AllReduce  # noqa: E402
 from convoy.utils.atomic import save_atomically  # noqa: E402
 
 MODES = ("none", "convoy", "torch_save", "torch_save_fsync", "dcp_async")
+
+
+def modes(compress: str) -> tuple[str, ...]:
+    """With compression, also convoy without differential checkpoints (a full snapshot each time)."""
+    return MODES if compress == "none" else MODES[:2] + ("convoy_full",) + MODES[2:]
 HYPER = {"lr": 0.01, "momentum": 0.9}
 
 
@@ -81,8 +89,10 @@ def _run_mode(rank: int, mode: str, name: str, batch: int, steps: int, root: Pat
     engine = Engine(model, torch.optim.SGD, AllReduce(dist.new_group(), compressor, memory), **HYPER)
     directory = root / mode
     session, stalls, pending = None, [], [None]
-    if mode == "convoy":
-        session = start_checkpointing(CheckpointSettings(str(directory), resume=False), model, engine,
+    if mode.startswith("convoy"):
+        full_every = 1 if mode == "convoy_full" else CheckpointSettings.full_every
+        session = start_checkpointing(CheckpointSettings(str(directory), resume=False, full_every=full_every),
+                                      model, engine,
                                       torch.optim.SGD, HYPER, total_steps=10**9, steps_per_epoch=10**9)
     dcp_group = dist.new_group() if mode == "dcp_async" else None
 
@@ -142,10 +152,13 @@ def _best_of(repeats: int, action) -> float:
 
 
 def _convoy_recovery(directory: Path, model) -> None:
-    store = Store.open(directory / "model-rank0.ckpt")
-    newest = valid_steps(scan(store, verify_all=False))   # as a resume does
-    restore_model(store, newest[max(newest)].area, model)
+    path = directory / "model-rank0.ckpt"
+    store = Store.open(path)
+    points = restore_points(path, scan(store, verify_all=False))   # as a resume does
+    point = points[max(points)]
+    states = restore_model(store, point.report.area, model)
     store.close()
+    replay_updates(model, torch.optim.SGD, HYPER, states, read_updates(path, point))
 
 
 def _torch_recovery(path: Path, model) -> None:
@@ -156,7 +169,7 @@ def worker(rank: int, world: int, name: str, batch: int, steps: int, root: str, 
     """Every mode ``rounds`` times, round-robin, so load from other jobs spreads over all of them."""
     results: dict[str, dict] = {}
     for _ in range(rounds):
-        for mode in MODES:
+        for mode in modes(compress):
             dist.barrier()
             if rank == 0:   # a fresh directory each round: no run reads another's files
                 shutil.rmtree(Path(root) / mode, ignore_errors=True)
@@ -206,8 +219,8 @@ def main() -> None:
         finally:
             shutil.rmtree(root, ignore_errors=True)
         base = statistics.median(t for r in results for t in r["none"]["times"])
-        timelines[name] = {mode: results[0][mode]["times"] for mode in MODES}
-        for mode in MODES:
+        timelines[name] = {mode: results[0][mode]["times"] for mode in modes(args.compress)}
+        for mode in modes(args.compress):
             step_s = statistics.median(t for r in results for t in r[mode]["times"])
             per_step = results[0][mode].get("bytes_per_step", 0)
             recovery = results[0][mode]["recovery_s"]

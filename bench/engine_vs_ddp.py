@@ -53,14 +53,15 @@ def _timed(step, finish, steps: int) -> list[float]:
     return times
 
 
-def _round(step, finish, steps: int) -> float:
-    """Seconds per step of ``steps`` steps, the drain (``finish``) included, all ranks started together."""
+def _round(step, finish, steps: int) -> tuple[float, float]:
+    """Wall and CPU seconds (every thread of the process) per step of ``steps`` steps, the drain
+    (``finish``) included, all ranks started together."""
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
     finish()
-    return (time.perf_counter() - start) / steps
+    return (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps
 
 
 def worker(rank: int, world: int, name: str, batch: int, steps: int, rounds: int, channels: int,
@@ -86,11 +87,13 @@ def worker(rank: int, world: int, name: str, batch: int, steps: int, rounds: int
     for step, finish in methods.values():   # warm-up: allocations, first-step set-up
         _round(step, finish, WARMUP)
     first_timed = engine.step
-    out: dict = {"engine": [], "ddp": []}
+    out: dict = {"engine": [], "ddp": [], "engine_cpu": [], "ddp_cpu": []}
     for r in range(rounds):
         order = ("engine", "ddp") if r % 2 == 0 else ("ddp", "engine")
         for method in order:
-            out[method].append(_round(*methods[method], steps))
+            wall, cpu = _round(*methods[method], steps)
+            out[method].append(wall)
+            out[f"{method}_cpu"].append(cpu)
     out["wait"] = [engine.stats(s).wait_s for s in range(first_timed, engine.step)]
     out["bytes_per_step"] = strategy.bytes_sent / engine.step
     engine.close()
@@ -122,21 +125,24 @@ def main() -> None:
             engine = [max(r["engine"][i] for r in results) for i in range(rounds)]
             ddp = [max(r["ddp"][i] for r in results) for i in range(rounds)]
             ratios = [e / d for e, d in zip(engine, ddp)]
+            cpu = [sum(r["engine_cpu"][i] for r in results) / sum(r["ddp_cpu"][i] for r in results)
+                   for i in range(rounds)]
             rows.append({"model": name, "world": world, "batch/worker": args.batch, "bucket_kb": bucket_kb,
                          "rounds": rounds, "engine_step_s": statistics.median(engine),
                          "ddp_step_s": statistics.median(ddp), "engine/ddp": statistics.median(ratios),
-                         "ratio_range": _spread(ratios),
+                         "ratio_range": _spread(ratios), "cpu_engine/ddp": statistics.median(cpu),
                          "engine_samples_s": world * args.batch / statistics.median(engine),
                          "ddp_samples_s": world * args.batch / statistics.median(ddp),
                          "engine_wait_s": statistics.median(results[0]["wait"]),
                          "MB_sent/step": results[0]["bytes_per_step"] / 1e6})
             print(rows[-1], flush=True)
     settings = {**vars(args), "rounds": rounds,
-                "note": "engine/ddp is the median over rounds of (engine round / adjacent DDP round); "
+                "note": "engine/ddp is the median over rounds of (engine round / adjacent DDP round), wall "
+                        "time; cpu_engine/ddp the same for the CPU time of every thread of the workers; "
                         "2-core machine shared with other jobs: absolute times are inflated"}
     save("engine_vs_ddp", settings, rows,
          ["model", "world", "batch/worker", "bucket_kb", "rounds", "engine_step_s", "ddp_step_s", "engine/ddp",
-          "ratio_range", "engine_samples_s", "ddp_samples_s", "engine_wait_s", "MB_sent/step"])
+          "ratio_range", "cpu_engine/ddp", "engine_samples_s", "ddp_samples_s", "engine_wait_s", "MB_sent/step"])
 
 
 if __name__ == "__main__":

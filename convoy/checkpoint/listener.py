@@ -154,6 +154,7 @@ class CheckpointListener(Listener):
         self._held = [False] * len(self._slot_of)          # slot being read by the persister
         self._grads: dict[int, tuple[int, list[torch.Tensor], dict]] = {}   # slot -> (step, grads, hyper)
         self._hooked = False
+        self._hook_handles: list[Any] = []
         self._step = engine.step                            # the step the auxiliary thread is in
         self._full_due, self._since_full = True, 0          # the writer's next checkpoint kind
         self._based = False                                 # a full snapshot was taken in this run
@@ -230,8 +231,8 @@ class CheckpointListener(Listener):
             optimizer = self.engine.optimizers[layer.index].optimizer
             owners[id(optimizer)] = optimizer
             slots.setdefault(id(optimizer), []).append((self._slot_of[layer.name], layer.params))
-        for key, optimizer in owners.items():
-            optimizer.register_step_pre_hook(self._make_pre_hook(slots[key]))
+        self._hook_handles = [optimizer.register_step_pre_hook(self._make_pre_hook(slots[key]))
+                              for key, optimizer in owners.items()]
 
     def _make_pre_hook(self, layers: list[tuple[int, list[nn.Parameter]]]) -> Any:
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -440,6 +441,8 @@ class CheckpointListener(Listener):
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+        for handle in self._hook_handles:
+            handle.remove()
         for store in (self.model_store, self.rank_store):
             if store is not None:
                 store.close()
