@@ -1,15 +1,24 @@
 """Checkpointing every step: convoy's layer-wise pipelined checkpoints against torch.save and DCP async_save.
 
     python bench/checkpoint.py [--models resnet18 vgg_fc] [--steps 8] [--rounds 2] [--batch 16] [--dir /tmp]
+                               [--compress none|blocktopk|...]
 
 Two gloo workers on loopback, one torch thread each, SGD with momentum, the
 state checkpointed after every step by:
 
 - none: no checkpoint (the baseline step time);
-- convoy: the engine listener: each layer staged when updated, persisted by a
-  background thread into the mmap'd file (rank 0 writes the model, every rank its state);
+- convoy: the engine listener: each layer handed over when updated and written
+  from the live tensors by a background thread (its next update waits for that),
+  one fdatasync per checkpoint (rank 0 writes the model, every rank its state);
+  with ``--compress`` differential checkpoints (the sparse update each step, a
+  full snapshot every 10), and ``convoy_full`` the same without them;
 - torch_save: rank 0 calls torch.save of the model and optimizer state after
-  each step (synchronous, after engine.synchronize());
+  each step (synchronous, after engine.synchronize()); nothing is fsynced, so
+  the checkpoint may still sit in the page cache when the machine goes down;
+- torch_save_fsync: the same written durably, as a user who needs the file
+  after a power cut would: a temporary file, fsync, rename, fsync of the folder
+  (convoy.utils.atomic.save_atomically); with a compressor every rank also
+  saves its error-feedback residuals, which a bit-identical resume needs;
 - dcp_async: torch.distributed.checkpoint.async_save of the same tensors after
   each step (one save in flight, its own process group).
 
@@ -18,7 +27,9 @@ training path per checkpoint (convoy: time in the listener on the auxiliary
 thread; torch.save: the call; DCP: the call plus waiting for the previous
 save), MB written per second, and recovery time (convoy: open, verify every
 checksum, copy into a model; torch: torch.load plus load_state_dict). Writes
-bench/results/checkpoint.{json,md,png}.
+bench/results/checkpoint.{json,md,png}
+(``checkpoint_<compressor>.*`` with ``--compress``: the exchange is then compressed with
+error feedback, and convoy writes differential checkpoints).
 """
 from __future__ import annotations
 
@@ -39,12 +50,19 @@ from bench.common import RESULTS, save, spawn  # noqa: E402
 from bench.engine_vs_ddp import _batch, _model, _timed  # noqa: E402
 from convoy.checkpoint import CheckpointSettings, start_checkpointing  # noqa: E402
 from convoy.checkpoint.fsinfo import fs_info  # noqa: E402
-from convoy.checkpoint.recovery import restore_model, scan, valid_steps  # noqa: E402
+from convoy.checkpoint.recovery import read_updates, replay_updates, restore_model, restore_points, scan  # noqa: E402
 from convoy.checkpoint.store import Store  # noqa: E402
+from convoy.compress import COMPRESS_NAMES, build_compressor  # noqa: E402
 from convoy.engine import Engine  # noqa: E402
 from convoy.sync import AllReduce  # noqa: E402
+from convoy.utils.atomic import save_atomically  # noqa: E402
 
-MODES = ("none", "convoy", "torch_save", "dcp_async")
+MODES = ("none", "convoy", "torch_save", "torch_save_fsync", "dcp_async")
+
+
+def modes(compress: str) -> tuple[str, ...]:
+    """With compression, also convoy without differential checkpoints (a full snapshot each time)."""
+    return MODES if compress == "none" else MODES[:2] + ("convoy_full",) + MODES[2:]
 HYPER = {"lr": 0.01, "momentum": 0.9}
 
 
@@ -56,26 +74,40 @@ def _flat_state(model, engine) -> dict[str, torch.Tensor]:
     return state
 
 
-def _run_mode(rank: int, mode: str, name: str, batch: int, steps: int, root: Path) -> dict:
+def _torch_state(rank: int, model, engine) -> dict:
+    """What torch.save writes on ``rank``: the model and optimizers (rank 0) and the rank's sync state."""
+    state = {"sync": engine.sync.state_tensors()}
+    if rank == 0:
+        state.update(model=model.state_dict(), optimizers=engine.optimizer_state())
+    return state
+
+
+def _run_mode(rank: int, mode: str, name: str, batch: int, steps: int, root: Path, compress: str) -> dict:
     x, y = _batch(rank, batch, 3)
     model = _model(name, 3)
-    engine = Engine(model, torch.optim.SGD, AllReduce(dist.new_group()), **HYPER)
+    compressor, memory = build_compressor(compress)
+    engine = Engine(model, torch.optim.SGD, AllReduce(dist.new_group(), compressor, memory), **HYPER)
     directory = root / mode
     session, stalls, pending = None, [], [None]
-    if mode == "convoy":
-        session = start_checkpointing(CheckpointSettings(str(directory), resume=False), model, engine,
+    if mode.startswith("convoy"):
+        full_every = 1 if mode == "convoy_full" else CheckpointSettings.full_every
+        session = start_checkpointing(CheckpointSettings(str(directory), resume=False, full_every=full_every),
+                                      model, engine,
                                       torch.optim.SGD, HYPER, total_steps=10**9, steps_per_epoch=10**9)
     dcp_group = dist.new_group() if mode == "dcp_async" else None
 
     def step() -> None:
         engine.backward(F.cross_entropy(model(x), y))
-        if mode in ("torch_save", "dcp_async"):
+        if mode in ("torch_save", "torch_save_fsync", "dcp_async"):
             engine.synchronize()
             start = time.perf_counter()
-            if mode == "torch_save" and rank == 0:
+            state = _torch_state(rank, model, engine) if mode.startswith("torch_save") else {}
+            if mode == "torch_save" and (rank == 0 or state["sync"]):
                 directory.mkdir(parents=True, exist_ok=True)
-                torch.save({"model": model.state_dict(), "optimizers": engine.optimizer_state()},
-                           directory / "state.pt")
+                torch.save(state, directory / f"state{rank}.pt")
+            elif mode == "torch_save_fsync" and (rank == 0 or state["sync"]):
+                directory.mkdir(parents=True, exist_ok=True)
+                save_atomically(state, directory / f"state{rank}.pt")
             elif mode == "dcp_async":
                 import torch.distributed.checkpoint as dcp
                 if pending[0] is not None:
@@ -101,9 +133,9 @@ def _run_mode(rank: int, mode: str, name: str, batch: int, steps: int, root: Pat
         out["bytes_per_step"] = stats["bytes_written"] / max(stats["commits"], 1)
         if rank == 0:
             out["recovery_s"] = _best_of(3, lambda: _convoy_recovery(directory, model))
-    elif mode == "torch_save" and rank == 0:
-        out["bytes_per_step"] = (directory / "state.pt").stat().st_size
-        out["recovery_s"] = _best_of(3, lambda: _torch_recovery(directory / "state.pt", model))
+    elif mode.startswith("torch_save") and rank == 0:
+        out["bytes_per_step"] = sum(f.stat().st_size for f in directory.glob("state*.pt"))
+        out["recovery_s"] = _best_of(3, lambda: _torch_recovery(directory / "state0.pt", model))
     elif mode == "dcp_async":
         out["bytes_per_step"] = sum(f.stat().st_size for f in (directory / f"s{engine.step}").glob("*"))
     return out
@@ -120,26 +152,29 @@ def _best_of(repeats: int, action) -> float:
 
 
 def _convoy_recovery(directory: Path, model) -> None:
-    store = Store.open(directory / "model-rank0.ckpt")
-    newest = valid_steps(scan(store, verify_all=False))   # as a resume does
-    restore_model(store, newest[max(newest)].area, model)
+    path = directory / "model-rank0.ckpt"
+    store = Store.open(path)
+    points = restore_points(path, scan(store, verify_all=False))   # as a resume does
+    point = points[max(points)]
+    states = restore_model(store, point.report.area, model)
     store.close()
+    replay_updates(model, torch.optim.SGD, HYPER, states, read_updates(path, point))
 
 
 def _torch_recovery(path: Path, model) -> None:
     model.load_state_dict(torch.load(path)["model"])
 
 
-def worker(rank: int, world: int, name: str, batch: int, steps: int, root: str, rounds: int) -> dict:
+def worker(rank: int, world: int, name: str, batch: int, steps: int, root: str, rounds: int, compress: str) -> dict:
     """Every mode ``rounds`` times, round-robin, so load from other jobs spreads over all of them."""
     results: dict[str, dict] = {}
     for _ in range(rounds):
-        for mode in MODES:
+        for mode in modes(compress):
             dist.barrier()
             if rank == 0:   # a fresh directory each round: no run reads another's files
                 shutil.rmtree(Path(root) / mode, ignore_errors=True)
             dist.barrier()
-            out = _run_mode(rank, mode, name, batch, steps, Path(root))
+            out = _run_mode(rank, mode, name, batch, steps, Path(root), compress)
             merged = results.setdefault(mode, {"times": [], "stall_s": [], "recovery_s": []})
             merged["times"] += out["times"]
             merged["stall_s"].append(out["stall_s"])
@@ -173,17 +208,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2, help="times each mode runs, round-robin")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoints are written")
+    parser.add_argument("--compress", default="none", choices=COMPRESS_NAMES,
+                        help="compress the exchange (with error feedback); convoy then writes differential checkpoints")
     args = parser.parse_args()
     rows, timelines = [], {}
     for name in args.models:
         root = Path(tempfile.mkdtemp(prefix="convoy-bench-ckpt-", dir=args.dir))
         try:
-            results = spawn(worker, 2, name, args.batch, args.steps, str(root), args.rounds)
+            results = spawn(worker, 2, name, args.batch, args.steps, str(root), args.rounds, args.compress)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         base = statistics.median(t for r in results for t in r["none"]["times"])
-        timelines[name] = {mode: results[0][mode]["times"] for mode in MODES}
-        for mode in MODES:
+        timelines[name] = {mode: results[0][mode]["times"] for mode in modes(args.compress)}
+        for mode in modes(args.compress):
             step_s = statistics.median(t for r in results for t in r[mode]["times"])
             per_step = results[0][mode].get("bytes_per_step", 0)
             recovery = results[0][mode]["recovery_s"]
@@ -193,11 +230,13 @@ def main() -> None:
                          "MB_per_ckpt": per_step / 1e6, "MB_written_per_s": per_step / 1e6 / step_s,
                          "recovery_s": min(recovery) if recovery else ""})
     settings = {"models": args.models, "steps": args.steps, "rounds": args.rounds, "batch_per_worker": args.batch, "world": 2,
+                "compress": args.compress,
                 "optimizer": "sgd momentum", "checkpoint_fs": fs_info(args.dir).describe(),
                 "note": "2-core machine shared with other jobs: figures are noisy"}
-    save("checkpoint", settings, rows, ["model", "mode", "median_step_s", "overhead_%", "stall_ms", "MB_per_ckpt",
+    stem = "checkpoint" if args.compress == "none" else f"checkpoint_{args.compress}"
+    save(stem, settings, rows, ["model", "mode", "median_step_s", "overhead_%", "stall_ms", "MB_per_ckpt",
                                         "MB_written_per_s", "recovery_s"])
-    _plot(timelines, RESULTS / "checkpoint.png")
+    _plot(timelines, RESULTS / f"{stem}.png")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Step time of convoy's pipelined engine against torch DDP, same model, data and world size.
 
-    python bench/engine_vs_ddp.py [--models vgg_fc resnet18] [--worlds 2 4] [--steps 10]
+    python bench/engine_vs_ddp.py [--models vgg_fc resnet18] [--worlds 2 4] [--steps 20] [--round-steps 4]
 
 Loopback gloo, one torch thread per worker. Writes bench/results/engine_vs_ddp.{json,md}.
 """
@@ -53,55 +53,96 @@ def _timed(step, finish, steps: int) -> list[float]:
     return times
 
 
-def worker(rank: int, world: int, name: str, batch: int, steps: int, channels: int, bucket_kb: int) -> dict:
+def _round(step, finish, steps: int) -> tuple[float, float]:
+    """Wall and CPU seconds (every thread of the process) per step of ``steps`` steps, the drain
+    (``finish``) included, all ranks started together."""
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        step()
+    finish()
+    return (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps
+
+
+def worker(rank: int, world: int, name: str, batch: int, steps: int, rounds: int, channels: int,
+           bucket_kb: int) -> dict:
+    """Engine and DDP rounds interleaved (the order alternates), so a burst of load from
+    other jobs hits both; the figure is the median of the per-round ratios."""
     x, y = _batch(rank, batch, channels)
     model = _model(name, channels)
     strategy = AllReduce(dist.new_group())
     engine = Engine(model, torch.optim.SGD, strategy, lr=0.01, momentum=0.9, bucket_bytes=bucket_kb * 1024)
-    engine_times = _timed(lambda: engine.backward(F.cross_entropy(model(x), y)), engine.synchronize, steps)
-    waits = [engine.stats(s).wait_s for s in range(WARMUP, WARMUP + steps)]
-    engine.close()
-
     ddp = nn.parallel.DistributedDataParallel(_model(name, channels))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+
+    def engine_step():
+        engine.backward(F.cross_entropy(model(x), y))
 
     def ddp_step():
         opt.zero_grad()
         F.cross_entropy(ddp(x), y).backward()
         opt.step()
 
-    ddp_times = _timed(ddp_step, lambda: None, steps)
-    return {"engine": engine_times, "ddp": ddp_times, "wait": waits,
-            "bytes_per_step": strategy.bytes_sent / (WARMUP + steps)}
+    methods = {"engine": (engine_step, engine.synchronize), "ddp": (ddp_step, lambda: None)}
+    for step, finish in methods.values():   # warm-up: allocations, first-step set-up
+        _round(step, finish, WARMUP)
+    first_timed = engine.step
+    out: dict = {"engine": [], "ddp": [], "engine_cpu": [], "ddp_cpu": []}
+    for r in range(rounds):
+        order = ("engine", "ddp") if r % 2 == 0 else ("ddp", "engine")
+        for method in order:
+            wall, cpu = _round(*methods[method], steps)
+            out[method].append(wall)
+            out[f"{method}_cpu"].append(cpu)
+    out["wait"] = [engine.stats(s).wait_s for s in range(first_timed, engine.step)]
+    out["bytes_per_step"] = strategy.bytes_sent / engine.step
+    engine.close()
+    return out
+
+
+def _spread(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.3f}-{hi:.3f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["vgg_fc", "resnet18"])
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per method, split into rounds")
+    parser.add_argument("--round-steps", type=int, default=4, help="steps per round (engine and DDP alternate)")
     parser.add_argument("--batch", type=int, default=16, help="samples per worker")
     parser.add_argument("--bucket-kb", nargs="+", type=int, default=[DEFAULT_BUCKET_BYTES // 1024],
                         help="engine bucket sizes to measure (default: the engine's; 0: one layer per exchange)")
     args = parser.parse_args()
+    rounds = max(1, args.steps // args.round_steps)
     rows = []
     for name in args.models:
         channels = 3 if name == "resnet18" else 1
         for world, bucket_kb in itertools.product(args.worlds, args.bucket_kb):
-            results = spawn(worker, world, name, args.batch, args.steps, channels, bucket_kb)
-            # A step is as slow as its slowest rank.
-            engine = statistics.median(max(r["engine"][i] for r in results) for i in range(args.steps))
-            ddp = statistics.median(max(r["ddp"][i] for r in results) for i in range(args.steps))
+            results = spawn(worker, world, name, args.batch, args.round_steps, rounds, channels, bucket_kb)
+            # A round is as slow as its slowest rank.
+            engine = [max(r["engine"][i] for r in results) for i in range(rounds)]
+            ddp = [max(r["ddp"][i] for r in results) for i in range(rounds)]
+            ratios = [e / d for e, d in zip(engine, ddp)]
+            cpu = [sum(r["engine_cpu"][i] for r in results) / sum(r["ddp_cpu"][i] for r in results)
+                   for i in range(rounds)]
             rows.append({"model": name, "world": world, "batch/worker": args.batch, "bucket_kb": bucket_kb,
-                         "engine_step_s": engine, "ddp_step_s": ddp, "engine/ddp": engine / ddp,
-                         "engine_samples_s": world * args.batch / engine,
-                         "ddp_samples_s": world * args.batch / ddp,
+                         "rounds": rounds, "engine_step_s": statistics.median(engine),
+                         "ddp_step_s": statistics.median(ddp), "engine/ddp": statistics.median(ratios),
+                         "ratio_range": _spread(ratios), "cpu_engine/ddp": statistics.median(cpu),
+                         "engine_samples_s": world * args.batch / statistics.median(engine),
+                         "ddp_samples_s": world * args.batch / statistics.median(ddp),
                          "engine_wait_s": statistics.median(results[0]["wait"]),
                          "MB_sent/step": results[0]["bytes_per_step"] / 1e6})
             print(rows[-1], flush=True)
-    save("engine_vs_ddp", vars(args), rows,
-         ["model", "world", "batch/worker", "bucket_kb", "engine_step_s", "ddp_step_s", "engine/ddp",
-          "engine_samples_s", "ddp_samples_s", "engine_wait_s", "MB_sent/step"])
+    settings = {**vars(args), "rounds": rounds,
+                "note": "engine/ddp is the median over rounds of (engine round / adjacent DDP round), wall "
+                        "time; cpu_engine/ddp the same for the CPU time of every thread of the workers; "
+                        "2-core machine shared with other jobs: absolute times are inflated"}
+    save("engine_vs_ddp", settings, rows,
+         ["model", "world", "batch/worker", "bucket_kb", "rounds", "engine_step_s", "ddp_step_s", "engine/ddp",
+          "ratio_range", "cpu_engine/ddp", "engine_samples_s", "ddp_samples_s", "engine_wait_s", "MB_sent/step"])
 
 
 if __name__ == "__main__":

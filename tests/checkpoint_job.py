@@ -9,7 +9,7 @@ Starting Python and importing torch costs seconds; a crash test needs dozens
 of runs. ``python tests/checkpoint_job.py serve`` imports everything once and
 then, per line on stdin, forks a fresh training process:
 
-    run DIR STEPS KILL DELAY   ->  pid PID        (KILL: a faults kill point or "-")
+    run DIR STEPS KILL DELAY [COMPRESS]  ->  pid PID  (KILL: a faults kill point or "-")
     reap PID                   ->  status STATUS  (os.waitpid's status)
 """
 from __future__ import annotations
@@ -25,21 +25,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from convoy import AllReduce, Engine  # noqa: E402
 from convoy.checkpoint import CheckpointSettings, faults, start_checkpointing  # noqa: E402
+from convoy.compress import build_compressor  # noqa: E402
 from convoy.models.lenet import lenet  # noqa: E402  (not convoy.data: it imports scikit-learn)
 
 BATCH, SAMPLES = 16, 128
 STEPS_PER_EPOCH = SAMPLES // BATCH
 HYPER = {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4}
+FULL_EVERY = 4   # differential checkpoints (a compressed job): a full snapshot every 4 checkpoints
 
 
-def _job():
+def _job(compress: str = "none"):
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(SAMPLES, 1, 32, 32, generator=generator)
     y = torch.randint(0, 10, (SAMPLES,), generator=generator)
     torch.manual_seed(0)
     model = lenet()
-    return model, Engine(model, torch.optim.SGD, AllReduce(), **HYPER), x, y
+    compressor, memory = build_compressor(compress)
+    return model, Engine(model, torch.optim.SGD, AllReduce(None, compressor, memory), **HYPER), x, y
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -59,17 +62,18 @@ def train(model, engine, x, y, start_step: int, steps: int, after_step=None) -> 
 
 
 def state_of(model, engine) -> dict[str, torch.Tensor]:
-    """Parameters and momentum buffers by name (what a checkpoint must reproduce)."""
+    """Parameters, momentum buffers and error-feedback residuals by name (what a checkpoint must reproduce)."""
     out = {f"param:{k}": v.detach().clone() for k, v in model.named_parameters()}
+    out.update({f"sync:{k}": v.clone() for k, v in engine.sync.state_tensors().items()})
     for layer, opt in zip(engine.layers, engine.optimizers):
         for i, p in enumerate(layer.params):
             out[f"momentum:{layer.name}.{i}"] = opt.state[p]["momentum_buffer"].clone()
     return out
 
 
-def reference_trace(steps: int) -> dict[int, dict[str, torch.Tensor]]:
+def reference_trace(steps: int, compress: str = "none") -> dict[int, dict[str, torch.Tensor]]:
     """The state after each step count 1..steps of an uninterrupted run."""
-    model, engine, x, y = _job()
+    model, engine, x, y = _job(compress)
     trace = {}
 
     def record(done: int) -> None:
@@ -81,10 +85,11 @@ def reference_trace(steps: int) -> dict[int, dict[str, torch.Tensor]]:
     return trace
 
 
-def main(directory: str, steps: int) -> int:
+def main(directory: str, steps: int, compress: str = "none") -> int:
     """Train to ``steps`` with checkpoints in ``directory`` (resuming from it); return the start step."""
-    model, engine, x, y = _job()
-    session = start_checkpointing(CheckpointSettings(directory), model, engine, torch.optim.SGD, HYPER,
+    model, engine, x, y = _job(compress)
+    session = start_checkpointing(CheckpointSettings(directory, full_every=FULL_EVERY), model, engine,
+                                  torch.optim.SGD, HYPER,
                                   total_steps=steps, steps_per_epoch=STEPS_PER_EPOCH)
     train(model, engine, x, y, session.start.step, steps)
     engine.close()
@@ -98,7 +103,7 @@ def serve() -> None:
     for line in sys.stdin:
         command, *args = line.split()
         if command == "run":
-            directory, steps, kill, delay = args
+            directory, steps, kill, delay, *compress = args
             pid = os.fork()
             if pid == 0:
                 code = 0
@@ -106,7 +111,7 @@ def serve() -> None:
                     devnull = os.open(os.devnull, os.O_WRONLY)
                     os.dup2(devnull, 1)
                     faults.configure("" if kill == "-" else kill, float(delay))
-                    main(directory, int(steps))
+                    main(directory, int(steps), *compress)
                 except BaseException as exc:  # reported through stderr and the exit status
                     print(f"worker failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
                     code = 1

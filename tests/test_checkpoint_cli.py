@@ -109,7 +109,10 @@ def test_a_bad_checkpoint_dir_is_refused_before_training(tmp_path, make, expecte
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["--checkpoint-every", "0"], "--checkpoint-every must be >= 1"),
+    (["--checkpoint-every", "0"], "--checkpoint-every must be a whole number from 1 to 1000000000, or auto"),
+    (["--checkpoint-every", "often"], "--checkpoint-every must be a whole number from 1 to 1000000000, or auto"),
+    (["--checkpoint-dir", "ckpt", "--checkpoint-budget", "0.9"], "--checkpoint-budget must be in (0, 0.5]"),
+    (["--checkpoint-dir", "ckpt", "--checkpoint-full-every", "0"], "--checkpoint-full-every must be >= 1"),
     (["--resume"], "--resume/--no-resume needs --checkpoint-dir"),
 ])
 def test_bad_checkpoint_options(args, expected):

@@ -4,8 +4,9 @@ Two environment variables, read once per process:
 
 - ``CONVOY_CHECKPOINT_KILL``: ``slot:G:I`` SIGKILLs the process after half of
   slot ``I`` of commit generation ``G`` is written; ``record:G`` after half of
-  generation ``G``'s commit record is written. A crash test uses it to stop a
-  writer exactly inside a layer or inside a commit record.
+  generation ``G``'s commit record is written; ``update:S`` after the payload of
+  step ``S``'s differential record is written, before its magic. A crash test uses
+  it to stop a writer exactly inside a layer, a commit record or a log record.
 - ``CONVOY_CHECKPOINT_DELAY``: seconds to sleep at each of those half-way
   points, so kills sent at random times often land in the middle of a write.
 
@@ -30,8 +31,9 @@ def configure(kill: str = "", delay: float = 0.0) -> None:
 
 
 def halfway(kind: str, generation: int, index: int = 0) -> None:
-    """Called by the store half-way through writing a slot or a commit record."""
+    """Called by the store half-way through writing a slot or a commit record (``generation``
+    is the step for a differential record)."""
     if _DELAY:
         time.sleep(_DELAY)
-    if _KILL and _KILL == (f"slot:{generation}:{index}" if kind == "slot" else f"record:{generation}"):
+    if _KILL and _KILL == (f"slot:{generation}:{index}" if kind == "slot" else f"{kind}:{generation}"):
         os.kill(os.getpid(), signal.SIGKILL)

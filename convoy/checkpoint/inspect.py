@@ -14,7 +14,8 @@ from pathlib import Path
 
 from convoy.checkpoint.format import FormatError
 from convoy.checkpoint.fsinfo import fs_info
-from convoy.checkpoint.recovery import scan, valid_steps
+from convoy.checkpoint.difflog import log_path, read_chain
+from convoy.checkpoint.recovery import restore_points, scan, valid_steps
 from convoy.checkpoint.store import AREAS, Store
 from convoy.errors import UsageError
 
@@ -41,7 +42,8 @@ def recoverable_step(directory: str | Path) -> int | None:
     """The newest step valid in every checkpoint file of ``directory``; None when there is none.
 
     A resume needs the model files and every rank's own file at one step, so
-    a step missing from any file is not recoverable.
+    a step missing from any file is not recoverable. A model file restores its
+    areas' steps and the steps its differential logs reach.
 
     Example::
 
@@ -57,7 +59,8 @@ def recoverable_step(directory: str | Path) -> int | None:
         except (OSError, FormatError):
             return None
         try:
-            steps = set(valid_steps(scan(store)))
+            reports = scan(store)
+            steps = set(restore_points(path, reports) if store.layout.kind == "model" else valid_steps(reports))
         finally:
             store.close()
         common = steps if common is None else common & steps
@@ -77,7 +80,12 @@ def _describe_file(path: Path) -> list[str]:
             f", TRUNCATED to {store.size} of {store.expected_size} bytes"
         lines = [f"{path.name}  {layout.kind}, {what}, {AREAS} x {area_mb:.2f} MB = "
                  f"{store.expected_size / 1e6:.2f} MB{short}"]
-        lines += ["  " + report.describe() for report in scan(store)]
+        for report in scan(store):
+            lines.append("  " + report.describe())
+            chain = read_chain(log_path(path, report.area), report.record.generation, report.record.step,
+                               verify=True) if report.valid else []
+            if chain:
+                lines.append(f"    + differential log: steps {chain[0].step}-{chain[-1].step} replayable")
         return lines
     finally:
         store.close()

@@ -1,14 +1,26 @@
 """The engine listener that checkpoints layer by layer while training goes on (seed 003).
 
 On the engine's auxiliary thread, the moment a layer's update for a
-checkpointed step is applied, ``on_layer_updated`` copies the layer
-(parameters and optimizer state) into a staging buffer and queues it; a
-persister thread writes each staged layer into its fixed slot of the file's
-inactive area and flushes it, while the other layers are still being
-exchanged and the next forward runs. When the step's last layer is durable
-the commit record goes last. Each layer has two staging buffers, used in turn:
-a snapshot waits only when both still hold layers not yet written
-(back-pressure), so no staged layer is ever overwritten before it is persisted.
+checkpointed step is applied, ``on_layer_updated`` hands the layer to a
+persister thread, which writes its parameters and optimizer state straight
+from the live tensors (one ``pwritev`` per half layer, no staging copy) into
+the layer's fixed slot in the file's inactive area, while the other layers
+are still being exchanged and the next forward runs. Nothing is copied on the
+training path: the layer's next update waits (an optimizer step pre-hook) until
+the persister has read it, which with a full step of slack it almost always
+has (copy-on-write in time rather than in memory). When the step's last layer
+is written one fdatasync makes the area durable, and the commit record goes
+last. The persister runs at the lowest CPU priority, so on a machine with few
+cores its copies and checksums yield to the training threads.
+
+With gradient compression (``differential``) most checkpoints are
+differential: a full snapshot every ``full_every`` checkpoints, and between
+them each step's exchanged (sparse) update, appended to the snapshot's log
+(:mod:`convoy.checkpoint.difflog`); recovery replays it bit for bit.
+
+``every="auto"`` measures a few steps without and with checkpoints, then
+checkpoints as often as keeps the measured cost within ``budget`` of a step
+(CheckFreq's policy); every rank adopts the largest interval any rank chose.
 
 One rank per node (local rank 0, "the writer") persists the parameters, the
 same on every rank in data parallelism; every rank persists its own state
@@ -19,22 +31,31 @@ two files of every rank always share a committed step.
 """
 from __future__ import annotations
 
+import math
+import os
 import queue
+import statistics
+import sys
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from convoy.checkpoint.format import CommitRecord, FormatError, Layout, dtype_of
+from convoy.checkpoint import difflog
+from convoy.checkpoint.difflog import DiffLog, log_path, read_chain
+from convoy.checkpoint.format import CommitRecord, FormatError, Layout
 from convoy.checkpoint.snapshot import layer_sources, module_buffers, rank_layout, rank_state
 from convoy.checkpoint.store import AREAS, Store
 from convoy.engine.listeners import Listener
 
-_POLL_S = 0.002
+_POLL_S = (0.001, 0.05)      # first and longest sleep while waiting for a peer's file
+AUTO_PROBE_STEPS = (4, 3)    # auto: steps measured without, then with checkpoints
+DEFAULT_BUDGET = 0.03        # auto: the share of step time checkpoints may cost (CheckFreq's 3.5%)
+DEFAULT_FULL_EVERY = 10      # differential: a full snapshot every this many checkpoints
 
 
 class CheckpointError(RuntimeError):
@@ -50,13 +71,22 @@ def rank_file(directory: Path, rank: int) -> Path:
 
 
 def committed_step(path: Path) -> int:
-    """The newest step whose commit record in ``path`` is intact; -1 when none (or no file)."""
+    """The newest step ``path`` can restore (an intact commit record, or a record of its
+    differential log after it); -1 when none (or no file). Slot checksums are not checked."""
     try:
         store = Store.open(path)
     except (OSError, FormatError):
         return -1
     try:
-        return max(store.committed_steps(), default=-1)
+        newest = -1
+        for area in range(AREAS):
+            try:
+                record = store.record(area)
+            except FormatError:
+                continue
+            chain = read_chain(log_path(path, area), record.generation, record.step)
+            newest = max(newest, chain[-1].step if chain else record.step)
+        return newest
     finally:
         store.close()
 
@@ -68,7 +98,8 @@ class CheckpointListener(Listener):
         directory: where the files live (created by the caller).
         model: the model the engine trains.
         engine: the engine (for its layers, optimizers and sync strategy).
-        every: checkpoint after steps ``every - 1, 2 * every - 1, ...`` (counting from 0).
+        every: checkpoint after steps ``every - 1, 2 * every - 1, ...`` (counting from 0),
+            or ``"auto"``: the most frequent interval whose measured cost stays within ``budget``.
         last_step: also checkpoint after this step (the end of training).
         steps_per_epoch: to turn a step count into (epoch, position in the epoch).
         rank, writer_rank, local_ranks: this rank, its node's writer and the node's ranks.
@@ -78,6 +109,13 @@ class CheckpointListener(Listener):
         peer_timeout_s: how long to wait for another rank's file before failing.
         full_names: the whole model's names of ``model``'s ``state_dict`` keys, when
             ``model`` is one part of it (hybrid parallelism); kept in every commit record.
+        budget: ``every="auto"``: the share of a step's time checkpoints may cost.
+        full_every: differential checkpoints with a full snapshot every this many
+            checkpoints (0: every checkpoint is full). Only for updates that are
+            exactly the optimizer's step on the averaged gradient.
+        copy_on_write: write layers from the live tensors, the next update waiting for
+            the persister (True), or from copies taken on the auxiliary thread (False:
+            for strategies that change parameters outside the optimizer).
 
     Example::
 
@@ -87,73 +125,139 @@ class CheckpointListener(Listener):
         >>> engine.listeners.append(listener)
     """
 
-    def __init__(self, directory: Path, model: nn.Module, engine: Any, *, every: int, last_step: int,
+    def __init__(self, directory: Path, model: nn.Module, engine: Any, *, every: int | str, last_step: int,
                  steps_per_epoch: int, rank: int, writer_rank: int, local_ranks: list[int],
                  model_store: Store | None, model_generation: int = 0, rank_generation: int = 0,
                  rank_store: Store | None = None, peer_timeout_s: float = 300.0,
-                 full_names: dict[str, str] | None = None):
-        if every < 1:
-            raise ValueError(f"every must be >= 1, got {every}")
+                 full_names: dict[str, str] | None = None, budget: float = DEFAULT_BUDGET,
+                 full_every: int = 0, copy_on_write: bool = True):
+        if every != "auto" and (not isinstance(every, int) or every < 1):
+            raise ValueError(f"every must be an integer >= 1 or 'auto', got {every!r}")
+        if not 0.0 < budget < 1.0:
+            raise ValueError(f"budget must be in (0, 1), got {budget}")
+        if full_every < 0:
+            raise ValueError(f"full_every must be >= 0, got {full_every}")
         if (rank == writer_rank) != (model_store is not None):
             raise ValueError("exactly the writer rank needs a model store")
         self.directory = Path(directory)
         self.model, self.engine = model, engine
-        self.every, self.last_step, self.steps_per_epoch = every, last_step, steps_per_epoch
+        self.last_step, self.steps_per_epoch = last_step, steps_per_epoch
         self.rank, self.writer_rank, self.local_ranks = rank, writer_rank, local_ranks
         self.model_store, self.rank_store = model_store, rank_store
         self._model_gen, self._rank_gen = model_generation, rank_generation
         self._last_rank_step = max(rank_store.committed_steps(), default=-1) if rank_store else -1
         self._timeout = peer_timeout_s
         self._full_names = full_names
+        self.full_every, self.copy_on_write = full_every, copy_on_write
         layout: Layout | None = model_store.layout if model_store is not None else None
         self._slot_of = {s.name: i for i, s in enumerate(layout.slots)} if layout else {}
-        self._staging: list[list[torch.Tensor]] = []
-        self._views: list[list[list[torch.Tensor]]] = []
-        if layout is not None:
-            for slot in layout.slots:
-                bufs = [torch.empty(slot.nbytes, dtype=torch.uint8) for _ in range(2)]
-                self._staging.append(bufs)
-                self._views.append([[b[t.offset:t.offset + t.nbytes].view(dtype_of(t.dtype)).view(t.shape)
-                                     for t in slot.tensors] for b in bufs])
-        self._busy = [[False, False] for _ in self._staging]
+        self._held = [False] * len(self._slot_of)          # slot being read by the persister
+        self._grads: dict[int, tuple[int, list[torch.Tensor], dict]] = {}   # slot -> (step, grads, hyper)
+        self._hooked = False
+        self._hook_handles: list[Any] = []
+        self._step = engine.step                            # the step the auxiliary thread is in
+        self._full_due, self._since_full = True, 0          # the writer's next checkpoint kind
+        self._based = False                                 # a full snapshot was taken in this run
+        self._log: DiffLog | None = None                    # the differential log being appended to
         self._cond = threading.Condition()
         self._ends_in_flight = 0
-        self._seq, self._seq_step = -1, -1
         self._buffers: dict[str, torch.Tensor] = {}
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
-        self.stats = {"stall_s": 0.0, "blocked_s": 0.0, "persist_s": 0.0, "bytes_written": 0, "commits": 0}
+        self.stats = {"stall_s": 0.0, "blocked_s": 0.0, "persist_s": 0.0, "bytes_written": 0, "commits": 0,
+                      "full": 0, "differential": 0}
+        self._auto = _AutoFrequency(engine.step, budget) if every == "auto" else None
+        self.every = 1 if every == "auto" else every
+        self._every_from = 0
+        if self._auto is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            self._auto.group = dist.new_group()   # every rank builds a listener: a collective call
         self._thread = threading.Thread(target=self._persist_main, name="convoy-persister", daemon=True)
         self._thread.start()
 
     def due(self, step: int) -> bool:
-        return (step + 1) % self.every == 0 or step == self.last_step
+        if step == self.last_step:
+            return True
+        if self._auto is not None and not self._auto.decided:
+            return self._auto.probing_with_checkpoints(step)
+        return (step + 1 - self._every_from) % self.every == 0
 
     # ------------------------------------------------ engine's auxiliary thread
+    def logs_update(self, step: int) -> bool:
+        """Whether the writer appends ``step``'s update to the log: every step after a full
+        snapshot (a later checkpoint replays them all), except the steps that take a new one."""
+        return bool(self.model_store is not None and self.full_every and self._based
+                    and not (self._full_due and self.due(step)))
+
     def on_layer_updated(self, layer: Any, step: int) -> None:
-        if not self.due(step):
+        if not self._hooked:
+            self._hook_optimizers()
+        due, logged = self.due(step), self.logs_update(step)
+        if not due and not logged:
             return
         start = time.perf_counter()
         self._raise_if_failed()
-        if step != self._seq_step:
-            self._seq, self._seq_step = self._seq + 1, step
-        for name, buf in module_buffers(layer.name, layer.module):
-            self._buffers[name] = buf.detach().clone()
+        if due:
+            for name, buf in module_buffers(layer.name, layer.module):
+                self._buffers[name] = buf.detach().clone()
         if self.model_store is not None:
-            index, which = self._slot_of[layer.name], self._seq % 2
-            blocked = self._wait(lambda: not self._busy[index][which])
-            tensors, meta = layer_sources(layer.module, layer.params, self.engine.optimizers[layer.index],
-                                          self.model_store.layout.slots[index])
-            for dst, src in zip(self._views[index][which], tensors):
-                dst.copy_(src)
-            with self._cond:
-                self._busy[index][which] = True
-            self._queue.put(("slot", step, index, which, meta))
-            self.stats["blocked_s"] += blocked
+            self._hand_over(layer, step, logged)
         self.stats["stall_s"] += time.perf_counter() - start
 
+    def _hand_over(self, layer: Any, step: int, logged: bool) -> None:
+        """Queue the writer's part of ``layer`` at ``step``: its update (differential) or its tensors."""
+        index = self._slot_of[layer.name]
+        if logged:
+            captured = self._grads.get(index)
+            update = captured[1:] if captured is not None and captured[0] == step else None
+            self._queue.put(("update", step, index, update))   # None: the update was skipped
+            return
+        tensors, meta = layer_sources(layer.module, layer.params, self.engine.optimizers[layer.index],
+                                      self.model_store.layout.slots[index])
+        if not self.copy_on_write:
+            tensors = [t.clone() for t in tensors]
+        with self._cond:
+            self._held[index] = True
+        self._queue.put(("slot", step, index, tensors, meta))
+
+    def _hook_optimizers(self) -> None:
+        """Before a bucket's update: wait until the persister has read its layers' last
+        checkpoint (copy-on-write), and keep its averaged gradient when the step is differential."""
+        self._hooked = True
+        if self.model_store is None:
+            return
+        slots: dict[int, list[tuple[int, list[nn.Parameter]]]] = {}
+        owners = {}
+        for layer in self.engine.layers:
+            optimizer = self.engine.optimizers[layer.index].optimizer
+            owners[id(optimizer)] = optimizer
+            slots.setdefault(id(optimizer), []).append((self._slot_of[layer.name], layer.params))
+        self._hook_handles = [optimizer.register_step_pre_hook(self._make_pre_hook(slots[key]))
+                              for key, optimizer in owners.items()]
+
+    def _make_pre_hook(self, layers: list[tuple[int, list[nn.Parameter]]]) -> Any:
+        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if any(self._held[index] for index, _ in layers):
+                self.stats["blocked_s"] += self._wait(lambda: not any(self._held[i] for i, _ in layers))
+            step = self._step
+            if self.logs_update(step):
+                hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params" and _jsonable(v)}
+                for index, params in layers:
+                    # A copy: the engine zeroes the gradient buffer right after the update.
+                    self._grads[index] = (step, [p.grad.detach().clone() for p in params], hyper)
+        return hook
+
     def on_step_end(self, step: int, stats: Any) -> None:
+        self._step = step + 1
+        if self._auto is not None and not self._auto.decided:
+            self._auto.observe(step, self.stats)
+            if self._auto.decided_at(step):
+                self._adopt(self._auto.decide(self.stats), step)
         if not self.due(step):
+            if self.logs_update(step):   # the writer's log record of a step between checkpoints
+                self.stats["blocked_s"] += self._wait(lambda: self._ends_in_flight < 2)
+                with self._cond:
+                    self._ends_in_flight += 1
+                self._queue.put(("end", step, None, None, False))
             return
         start = time.perf_counter()
         state = rank_state(self.model, self.engine.sync, self._buffers)
@@ -163,12 +267,23 @@ class CheckpointListener(Listener):
                  "hyper": {k: v for k, v in group.items() if k != "params" and _jsonable(v)}}
         if self._full_names is not None:
             extra["full_names"] = self._full_names
+        full = self._full_due
+        if self.model_store is not None and self.full_every:
+            self._since_full = 0 if full else self._since_full + 1
+            self._full_due = self._since_full + 1 >= self.full_every
+            self._based = True
         # At most two steps' rank state in flight: bounded memory on every rank.
         self.stats["blocked_s"] += self._wait(lambda: self._ends_in_flight < 2)
         with self._cond:
             self._ends_in_flight += 1
-        self._queue.put(("end", step, state, extra))
+        self._queue.put(("end", step, state, extra, full))
         self.stats["stall_s"] += time.perf_counter() - start
+
+    def _adopt(self, every: int, step: int) -> None:
+        self.every, self._every_from = every, step + 1
+        if self.rank == 0:
+            print(f"convoy: checkpoint: every {every} step{'s' if every > 1 else ''}, the longest interval "
+                  f"any rank chose ({self._auto.describe()})", file=sys.stderr, flush=True)
 
     def _wait(self, predicate: Any) -> float:
         start = time.perf_counter()
@@ -185,39 +300,65 @@ class CheckpointListener(Listener):
 
     # --------------------------------------------------------- persister thread
     def _persist_main(self) -> None:
+        try:   # yield the cores to the training threads: checkpoints only need to keep up
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         checksums: dict[int, int] = {}
         metas: dict[str, Any] = {}
+        updates: dict[str, Any] = {}
         try:
             while (item := self._queue.get()) is not None:
                 start = time.perf_counter()
                 if item[0] == "slot":
                     self._persist_slot(*item[1:], checksums, metas)
+                elif item[0] == "update":
+                    self._encode_update(*item[1:], updates)
                 else:
-                    self._persist_end(*item[1:], checksums, metas)
-                    checksums, metas = {}, {}
+                    self._persist_end(*item[1:], checksums, metas, updates)
+                    checksums, metas, updates = {}, {}, {}
                 self.stats["persist_s"] += time.perf_counter() - start
         except BaseException as exc:  # the auxiliary thread re-raises it
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
 
-    def _persist_slot(self, step: int, index: int, which: int, meta: dict, checksums: dict, metas: dict) -> None:
+    def _persist_slot(self, step: int, index: int, tensors: list[torch.Tensor], meta: dict, checksums: dict,
+                      metas: dict) -> None:
         store = self.model_store
         generation = self._model_gen + 1
+        area = generation % AREAS
         if not checksums:   # first layer of this checkpoint: the area is no longer a valid one
-            store.invalidate(generation % AREAS)
-        data = memoryview(self._staging[index][which].numpy())
-        store.write_slot(generation % AREAS, index, data, generation)
-        checksums[index] = zlib.crc32(data)
+            store.invalidate(area)
+            if self.full_every:   # this area's log extended the snapshot being overwritten
+                DiffLog.start(log_path(store.path, area), generation, step + 1).close()
+        try:
+            checksums[index] = store.write_tensors(area, index, tensors, generation)
+        finally:
+            with self._cond:
+                self._held[index] = False
+                self._cond.notify_all()
         if meta:
             metas[store.layout.slots[index].name] = meta
-        self.stats["bytes_written"] += len(data)
-        with self._cond:
-            self._busy[index][which] = False
-            self._cond.notify_all()
+        self.stats["bytes_written"] += store.layout.slots[index].nbytes
 
-    def _persist_end(self, step: int, state: dict, extra: dict, checksums: dict, metas: dict) -> None:
+    def _encode_update(self, step: int, index: int, update: tuple | None, updates: dict) -> None:
+        name = self.model_store.layout.slots[index].name
+        if update is None:
+            updates[name] = None
+            return
+        grads, hyper = update
+        updates[name] = {"hyper": hyper, "grads": [difflog.sparse(g) for g in grads]}
+
+    def _persist_end(self, step: int, state: dict | None, extra: dict | None, full: bool, checksums: dict,
+                     metas: dict, updates: dict) -> None:
         done = step + 1
+        if state is None:   # a step between checkpoints: only the writer's log record
+            self._commit_update(done, updates, checkpoint=False)
+            with self._cond:
+                self._ends_in_flight -= 1
+                self._cond.notify_all()
+            return
         epoch, position = divmod(done, self.steps_per_epoch)
         if self.rank != self.writer_rank:
             # Never let this file get two checkpoints ahead of the model file.
@@ -227,19 +368,43 @@ class CheckpointListener(Listener):
             for peer in self.local_ranks:
                 if peer != self.rank:
                     self._await_peer(rank_file(self.directory, peer), done)
-            layout = self.model_store.layout
-            if len(checksums) != len(layout.slots):
-                raise CheckpointError(f"step {step}: {len(checksums)} of {len(layout.slots)} layers staged")
-            generation = self._model_gen + 1
-            record = CommitRecord(generation, done, epoch, position, [checksums[i] for i in range(len(checksums))],
-                                  {"signature": layout.signature(), "optimizer_meta": metas,
-                                   "time": time.time(), **extra})
-            self.model_store.commit(generation % AREAS, record)
-            self._model_gen = generation
-            self.stats["commits"] += 1
+            if full:
+                self._commit_full(done, epoch, position, extra, checksums, metas)
+            else:
+                self._commit_update(done, updates)
         with self._cond:
             self._ends_in_flight -= 1
             self._cond.notify_all()
+
+    def _commit_full(self, done: int, epoch: int, position: int, extra: dict, checksums: dict,
+                     metas: dict) -> None:
+        layout = self.model_store.layout
+        if len(checksums) != len(layout.slots):
+            raise CheckpointError(f"step {done - 1}: {len(checksums)} of {len(layout.slots)} layers staged")
+        generation = self._model_gen + 1
+        area = generation % AREAS
+        self.model_store.flush(area)   # every layer durable before the record that vouches for them
+        record = CommitRecord(generation, done, epoch, position, [checksums[i] for i in range(len(checksums))],
+                              {"signature": layout.signature(), "optimizer_meta": metas,
+                               "time": time.time(), **extra})
+        self.model_store.commit(area, record)
+        self._model_gen = generation
+        if self.full_every:
+            if self._log is not None:
+                self._log.close()
+            self._log = DiffLog.reopen(log_path(self.model_store.path, area), generation, done, done)
+        self.stats["commits"] += 1
+        self.stats["full"] += 1
+
+    def _commit_update(self, done: int, updates: dict, checkpoint: bool = True) -> None:
+        layout = self.model_store.layout
+        if len(updates) != len(layout.slots) or self._log is None:
+            raise CheckpointError(f"step {done - 1}: {len(updates)} of {len(layout.slots)} layer updates kept")
+        payload = difflog.pack({"step": done, "layers": updates})
+        self._log.append(done, payload)
+        self.stats["bytes_written"] += len(payload)
+        self.stats["commits"] += checkpoint
+        self.stats["differential"] += checkpoint
 
     def _persist_rank_state(self, done: int, epoch: int, position: int, state: dict) -> None:
         layout = rank_layout(state, {"rank": self.rank})
@@ -250,37 +415,94 @@ class CheckpointListener(Listener):
         generation = self._rank_gen + 1
         area = generation % AREAS
         self.rank_store.invalidate(area)
-        flat = torch.empty(layout.slots[0].nbytes, dtype=torch.uint8)
-        for spec in layout.slots[0].tensors:
-            flat[spec.offset:spec.offset + spec.nbytes].view(dtype_of(spec.dtype)).view(spec.shape) \
-                .copy_(state[spec.key])
-        data = memoryview(flat.numpy())
-        self.rank_store.write_slot(area, 0, data, generation)
-        self.rank_store.commit(area, CommitRecord(generation, done, epoch, position, [zlib.crc32(data)],
+        checksum = self.rank_store.write_tensors(area, 0, [state[spec.key] for spec in layout.slots[0].tensors],
+                                                 generation)
+        self.rank_store.flush(area)
+        self.rank_store.commit(area, CommitRecord(generation, done, epoch, position, [checksum],
                                                   {"rank": self.rank}))
         self._rank_gen, self._last_rank_step = generation, done
 
     def _await_peer(self, path: Path, step: int) -> None:
         deadline = time.monotonic() + self._timeout
+        pause = _POLL_S[0]
         while committed_step(path) < step:
             if time.monotonic() > deadline:
                 raise CheckpointError(f"{path} did not reach step {step} within {self._timeout:.0f} s")
-            time.sleep(_POLL_S)
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_S[1])
 
     # ----------------------------------------------------------------- control
     def flush(self) -> None:
         """Block until everything queued so far is committed (or raise the persister's error)."""
-        self._wait(lambda: self._ends_in_flight == 0 and not any(any(b) for b in self._busy))
+        self._wait(lambda: self._ends_in_flight == 0 and not any(self._held))
 
     def close(self) -> None:
         """Persist what is queued, stop the persister and close the files."""
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+        for handle in self._hook_handles:
+            handle.remove()
         for store in (self.model_store, self.rank_store):
             if store is not None:
                 store.close()
+        if self._log is not None:
+            self._log.close()
         self._raise_if_failed()
+
+
+class _AutoFrequency:
+    """CheckFreq's policy: measure, then the shortest interval whose cost fits the budget.
+
+    Steps ``start .. start+W-1`` run without checkpoints, the next P with a
+    checkpoint each; the first of each phase is not timed (warm-up). A
+    checkpoint's cost is the slower step (the persister's interference
+    included), at least the stall on the training path; the interval is also
+    at least the persist time over the step time, so the writes keep up.
+    """
+
+    def __init__(self, start: int, budget: float):
+        self.start, self.budget = start, budget
+        self.group: Any = None
+        self.decided = False
+        self._ends: list[tuple[int, float]] = []
+        self._stats0: dict[str, float] = {}
+        self.summary: dict[str, float] = {}
+
+    def probing_with_checkpoints(self, step: int) -> bool:
+        off, on = AUTO_PROBE_STEPS
+        return self.start + off <= step < self.start + off + on
+
+    def decided_at(self, step: int) -> bool:
+        return step == self.start + sum(AUTO_PROBE_STEPS) - 1
+
+    def observe(self, step: int, stats: dict) -> None:
+        self._ends.append((step, time.perf_counter()))
+        if step == self.start + AUTO_PROBE_STEPS[0] - 1:
+            self._stats0 = dict(stats)
+
+    def decide(self, stats: dict) -> int:
+        off, on = AUTO_PROBE_STEPS
+        gaps = {s: t - t0 for (s0, t0), (s, t) in zip(self._ends, self._ends[1:])}
+        plain = statistics.median(gaps[s] for s in range(self.start + 1, self.start + off) if s in gaps)
+        checked = statistics.median(gaps[s] for s in range(self.start + off + 1, self.start + off + on)
+                                    if s in gaps)
+        stall = (stats["stall_s"] - self._stats0.get("stall_s", 0.0)) / on
+        persist = (stats["persist_s"] - self._stats0.get("persist_s", 0.0)) / on
+        cost = max(checked - plain, stall)
+        every = max(1, math.ceil(cost / (self.budget * plain)), math.ceil(persist / plain))
+        if self.group is not None:
+            chosen = torch.tensor([every])
+            dist.all_reduce(chosen, op=dist.ReduceOp.MAX, group=self.group)
+            every = int(chosen)
+        self.summary = {"step_s": plain, "cost_s": cost, "stall_s": stall, "persist_s": persist, "every": every}
+        self.decided = True
+        return every
+
+    def describe(self) -> str:
+        s = self.summary
+        return (f"rank 0 measured: step {1000 * s['step_s']:.0f} ms, a checkpoint costs {1000 * s['cost_s']:.0f} ms "
+                f"on the training path, persists in {1000 * s['persist_s']:.0f} ms; budget {100 * self.budget:g}%")
 
 
 def _jsonable(value: Any) -> bool:

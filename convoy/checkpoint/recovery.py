@@ -19,9 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pathlib import Path
+from typing import Any, Iterable
+
+from convoy.checkpoint.difflog import Entry, dense, log_path, read_chain, read_payload
 from convoy.checkpoint.format import CommitRecord, FormatError
 from convoy.checkpoint.snapshot import model_layers, optimizer_state, restore_parameters, restore_rank_state
 from convoy.checkpoint.store import AREAS, Store, area_name
+from convoy.engine.optim import LayerOptimizer, bucket_optimizer
 
 
 @dataclass
@@ -100,6 +105,68 @@ def valid_steps(reports: list[AreaReport]) -> dict[int, AreaReport]:
     for report in sorted((r for r in reports if r.valid), key=lambda r: r.record.generation):
         out[report.record.step] = report
     return out
+
+
+@dataclass
+class RestorePoint:
+    """A step a model file can restore: a valid area, and the log records replayed after its snapshot."""
+
+    report: AreaReport
+    updates: list[Entry]
+
+    @property
+    def step(self) -> int:
+        return self.updates[-1].step if self.updates else self.report.record.step
+
+
+def restore_points(path: Path, reports: list[AreaReport]) -> dict[int, RestorePoint]:
+    """Every step ``path`` can restore: each valid area's own step, and the steps its
+    differential log reaches (records checked); a full snapshot wins over a replay."""
+    points: dict[int, RestorePoint] = {}
+    for report in sorted((r for r in reports if r.valid), key=lambda r: r.record.generation):
+        chain = read_chain(log_path(path, report.area), report.record.generation, report.record.step, verify=True)
+        for n in range(len(chain)):
+            points.setdefault(chain[n].step, RestorePoint(report, chain[:n + 1]))
+    for report in sorted((r for r in reports if r.valid), key=lambda r: r.record.generation):
+        points[report.record.step] = RestorePoint(report, [])
+    return points
+
+
+def replay_updates(model: nn.Module, optimizer_class: type, optimizer_kwargs: dict[str, Any],
+                   states: dict[str, dict], updates: Iterable[dict]) -> dict[str, dict]:
+    """Apply differential records to ``model`` (restored from their snapshot) and its optimizer ``states``.
+
+    Each layer gets an optimizer as the engine builds them (foreach kernels;
+    the updates are element-wise, so one per layer computes what one per
+    bucket did) and takes each record's step with its averaged gradient and
+    hyper-parameters: the result is bit-identical to the run that wrote them.
+    Returns the optimizer states after the last record, by layer.
+    """
+    layers = {}
+    for name, module, params in model_layers(model):
+        optimizer = bucket_optimizer(optimizer_class, params, optimizer_kwargs)
+        LayerOptimizer(optimizer, params).load_state_dict({"state": states.get(name, {})})
+        layers[name] = (optimizer, params)
+    for update in updates:
+        for name, change in update["layers"].items():
+            if change is None:   # the step skipped this layer's update (an fp16 overflow)
+                continue
+            optimizer, params = layers[name]
+            optimizer.param_groups[0].update(change["hyper"])
+            for param, (positions, values) in zip(params, change["grads"]):
+                param.grad = dense(positions, values, param)
+            optimizer.step()
+    out = {}
+    for name, (optimizer, params) in layers.items():
+        for param in params:
+            param.grad = None   # the engine's buckets start from empty gradients
+        out[name] = LayerOptimizer(optimizer, params).state_dict()["state"]
+    return out
+
+
+def read_updates(path: Path, point: RestorePoint) -> list[dict]:
+    """The records ``point`` replays, in order; FormatError when one is damaged."""
+    return [read_payload(log_path(path, point.report.area), entry) for entry in point.updates]
 
 
 def fallback_notes(path: str, reports: list[AreaReport], chosen: AreaReport) -> list[str]:

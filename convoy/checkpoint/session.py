@@ -23,23 +23,34 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from convoy.checkpoint.difflog import DiffLog, log_path
 from convoy.checkpoint.format import FormatError, Layout
-from convoy.checkpoint.listener import CheckpointListener, model_file, rank_file
-from convoy.checkpoint.recovery import (AreaReport, ensure_verified, fallback_notes, restore_model, restore_rank,
-                                       scan, valid_steps)
+from convoy.checkpoint.listener import DEFAULT_BUDGET, DEFAULT_FULL_EVERY, CheckpointListener, model_file, rank_file
+from convoy.checkpoint.recovery import (AreaReport, RestorePoint, ensure_verified, fallback_notes, read_updates,
+                                       replay_updates, restore_model, restore_points, restore_rank, scan,
+                                       valid_steps)
 from convoy.checkpoint.snapshot import model_layout, rank_layout, rank_state
 from convoy.checkpoint.store import AREAS, Store
+from convoy.compress import FP16Compressor, IdentityCompressor
 from convoy.errors import UsageError
+from convoy.sync.allreduce import AllReduce
 
 
 @dataclass
 class CheckpointSettings:
-    """Where and how often to checkpoint; ``resume`` None means "if the directory holds a checkpoint"."""
+    """Where and how often to checkpoint; ``resume`` None means "if the directory holds a checkpoint".
+
+    ``every`` is a number of steps or ``"auto"`` (as often as ``budget``, a share
+    of the step time, allows); ``full_every``: with a sparse gradient compressor,
+    a full snapshot every this many checkpoints and the exchanged update in between.
+    """
 
     directory: str
-    every: int = 1
+    every: int | str = 1
     resume: bool | None = None
     timeout_s: float = 300.0
+    budget: float = DEFAULT_BUDGET
+    full_every: int = DEFAULT_FULL_EVERY
 
 
 @dataclass
@@ -139,7 +150,8 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
     if settings.resume is not False:
         model_reports = _open_reports(mpath, layout.signature(), layout)
         rank_reports = _open_reports(rpath, None, None)
-    steps = sorted(set(valid_steps(model_reports or [])) & set(valid_steps(rank_reports or [])))
+    points = restore_points(mpath, model_reports or [])
+    steps = sorted(set(points) & set(valid_steps(rank_reports or [])))
     # Files whose areas are all empty (killed before the first commit) are no checkpoint;
     # any committed area, of the model file or of a rank's own file, is the user's data.
     found = any(not r.empty for r in (model_reports or []) + (rank_reports or []))
@@ -153,14 +165,15 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
                                   + [f"{p.name} is missing" for p in (mpath, rpath) if not p.exists()])
             raise UsageError(f"no usable checkpoint in {directory}: {described or 'another rank lacks it'}; nothing "
                              "was overwritten (move the directory away, or pass --no-resume to start over)")
-        start = _restore(max(common), model_reports, rank_reports, mpath, rpath, model, engine)
+        start = _restore(points[max(common)], model_reports, rank_reports, mpath, rpath, model, engine,
+                         optimizer_class, optimizer_kwargs, steps_per_epoch)
     elif settings.resume:
         raise UsageError(f"--resume: {directory} holds no checkpoint")
     need = AREAS * _rank_file_bytes(model, engine.sync) * (len(peers) if rank == writer else 1)
     if rank == writer:
         need += AREAS * layout.area_size()
     model_store, rank_store, model_gen, rank_gen = _open_for_writing(
-        start, layout, mpath, rpath, model_reports, rank_reports, rank == writer, directory, need)
+        start, layout, mpath, rpath, points, model_reports, rank_reports, rank == writer, directory, need)
     if rank == 0:
         for note in start.notes:
             print(f"convoy: checkpoint: {note}", file=sys.stderr, flush=True)
@@ -168,20 +181,39 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
                                   steps_per_epoch=steps_per_epoch, rank=rank, writer_rank=writer,
                                   local_ranks=peers, model_store=model_store, full_names=full_names,
                                   model_generation=model_gen, rank_generation=rank_gen, rank_store=rank_store,
-                                  peer_timeout_s=settings.timeout_s)
+                                  peer_timeout_s=settings.timeout_s, budget=settings.budget,
+                                  full_every=settings.full_every if differential_ok(engine.sync) else 0,
+                                  copy_on_write=type(engine.sync) is AllReduce)
     engine.listeners.append(listener)
     return CheckpointSession(listener, start)
 
 
-def _restore(step: int, model_reports: list[AreaReport], rank_reports: list[AreaReport], mpath: Path,
-             rpath: Path, model: nn.Module, engine: Any) -> ResumePoint:
-    chosen_model, chosen_rank = valid_steps(model_reports)[step], valid_steps(rank_reports)[step]
+def differential_ok(sync: Any) -> bool:
+    """Whether the update a step applies is the optimizer's step on an averaged gradient that
+    a sparse compressor made small: then differential checkpoints pay and replay exactly."""
+    compressor = getattr(sync, "compressor", None)
+    return type(sync) is AllReduce and not isinstance(compressor, (IdentityCompressor, FP16Compressor))
+
+
+def _restore(point: RestorePoint, model_reports: list[AreaReport], rank_reports: list[AreaReport], mpath: Path,
+             rpath: Path, model: nn.Module, engine: Any, optimizer_class: type,
+             optimizer_kwargs: dict[str, Any], steps_per_epoch: int) -> ResumePoint:
+    step, chosen_model = point.step, point.report
+    chosen_rank = valid_steps(rank_reports)[step]
     store = Store.open(mpath)
     try:
         _verified(store, chosen_model)
-        engine.load_optimizer_state(restore_model(store, chosen_model.area, model))
+        states = restore_model(store, chosen_model.area, model)
     finally:
         store.close()
+    if point.updates:
+        try:
+            updates = read_updates(mpath, point)
+        except FormatError as exc:
+            raise UsageError(f"{mpath}: step {step}, the newest step every rank committed, cannot be "
+                             f"replayed ({exc}); nothing was overwritten") from None
+        states = replay_updates(model, optimizer_class, optimizer_kwargs, states, updates)
+    engine.load_optimizer_state(states)
     store = Store.open(rpath)
     try:
         _verified(store, chosen_rank)
@@ -192,8 +224,10 @@ def _restore(step: int, model_reports: list[AreaReport], rank_reports: list[Area
     record = chosen_model.record
     notes = fallback_notes(str(mpath), model_reports, chosen_model) + \
         fallback_notes(str(rpath), rank_reports, chosen_rank)
-    notes.append(f"resumed from {mpath.parent} at step {step} (epoch {record.epoch}, batch {record.position})")
-    return ResumePoint(step, record.epoch, record.position, notes)
+    epoch, position = divmod(step, steps_per_epoch) if point.updates else (record.epoch, record.position)
+    notes.append(f"resumed from {mpath.parent} at step {step} (epoch {epoch}, batch {position})"
+                 + (f", {len(point.updates)} differential steps replayed" if point.updates else ""))
+    return ResumePoint(step, epoch, position, notes)
 
 
 def _verified(store: Store, report: AreaReport) -> None:
@@ -204,21 +238,27 @@ def _verified(store: Store, report: AreaReport) -> None:
                          f"is damaged ({exc}); nothing was overwritten") from None
 
 
-def _open_for_writing(start: ResumePoint, layout: Layout, mpath: Path, rpath: Path,
+def _open_for_writing(start: ResumePoint, layout: Layout, mpath: Path, rpath: Path, points: dict[int, RestorePoint],
                       model_reports: list[AreaReport] | None, rank_reports: list[AreaReport] | None,
                       is_writer: bool, directory: Path, need: int) -> tuple[Store | None, Store | None, int, int]:
-    """The stores to write the next generations into, newer areas than the resumed step erased."""
+    """The stores to write the next generations into, newer areas and log records than the resumed step erased."""
     if not start.step:
         rpath.unlink(missing_ok=True)   # a stale rank file must never look committed
+        if is_writer:
+            for area in range(AREAS):
+                log_path(mpath, area).unlink(missing_ok=True)
         _check_space(directory, need)
         try:
             return (Store.create(mpath, layout) if is_writer else None), None, 0, 0
         except OSError as exc:
             raise UsageError(f"cannot create checkpoint {mpath}: {exc.strerror}") from None
+    base = points[start.step].report.record
     model_store = _reopen(mpath, model_reports, start.step) if is_writer else None
+    if is_writer and log_path(mpath, points[start.step].report.area).exists():
+        DiffLog.reopen(log_path(mpath, points[start.step].report.area), base.generation, base.step,
+                       start.step).close()
     rank_store = _reopen(rpath, rank_reports, start.step)
-    return (model_store, rank_store, valid_steps(model_reports)[start.step].record.generation,
-            valid_steps(rank_reports)[start.step].record.generation)
+    return (model_store, rank_store, base.generation, valid_steps(rank_reports)[start.step].record.generation)
 
 
 def _reopen(path: Path, reports: list[AreaReport], step: int) -> Store:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from convoy.checkpoint.format import Layout, Slot, TensorSpec
+from convoy.compress.base import ResidualMemory
 from convoy.engine.layers import parameter_modules
 
 ROOT = "<root>"   # the name the engine gives a model that owns parameters itself
@@ -111,10 +112,17 @@ def rank_state(model: nn.Module, sync: Any, buffers: dict[str, torch.Tensor] | N
     out = {f"buffer.{k}": v for k, v in (buffers or {}).items()}
     for name, buf in model.named_buffers():
         out.setdefault(f"buffer.{name}", buf.detach().clone())
+    replaced = _replaced_each_step(sync)
     for key, value in sync.state_tensors().items():
-        out[f"sync.{key}"] = value.detach().clone()
+        out[f"sync.{key}"] = value.detach() if replaced and key.startswith("residual.") else value.detach().clone()
     out["rng.torch"] = torch.get_rng_state()
     return out
+
+
+def _replaced_each_step(sync: Any) -> bool:
+    """Whether the strategy's residuals are new tensors every step, never written into
+    (``ResidualMemory``): then a reference is a snapshot, and the copy on the training path is saved."""
+    return type(getattr(sync, "memory", None)) is ResidualMemory
 
 
 def module_buffers(prefix: str, module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:

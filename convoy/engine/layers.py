@@ -38,6 +38,7 @@ class Bucket:
     index: int
     layers: list[Layer]
     _buffer: torch.Tensor | None = field(default=None, repr=False)  # backs every p.grad
+    _views: list[tuple[nn.Parameter, int, int, int]] = field(default_factory=list, repr=False)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -58,24 +59,25 @@ class Bucket:
         self._buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
                                    device=params[0].device)
         offset = 0
+        self._views = []
         for p in params:
             view = self._buffer[offset:offset + p.numel()].view_as(p)
             if p.grad is not None:
                 view.copy_(p.grad)
             p.grad = view
+            self._views.append((p, offset, p.numel(), view.data_ptr()))
             offset += p.numel()
 
     def flat_grad(self) -> torch.Tensor:
         """This step's gradients, flat (the bucket's buffer, valid until ``reset_grads``)."""
         assert self._buffer is not None, "attach_grads first"
-        offset = 0
-        for p in self.params:
+        # Addresses kept from attach_grads: no slice tensors made per parameter and step.
+        for p, offset, numel, address in self._views:
             # Someone (a user's zero_grad(set_to_none=True)) replaced the view.
-            if p.grad is None or p.grad.data_ptr() != self._buffer[offset:].data_ptr():
-                self._buffer[offset:offset + p.numel()].copy_(
-                    p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()))
-                p.grad = self._buffer[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+            if p.grad is None or p.grad.data_ptr() != address:
+                self._buffer[offset:offset + numel].copy_(
+                    p.grad.reshape(-1) if p.grad is not None else torch.zeros(numel))
+                p.grad = self._buffer[offset:offset + numel].view_as(p)
         return self._buffer
 
     def set_grads(self, flat: torch.Tensor) -> None:

@@ -174,7 +174,15 @@ class TrainConfig:
     checkpoint_dir: str | None = _opt(None, "checkpoint layer by layer into this directory (a DAX/pmem "
                                       "mount is used as such); resumes from it when it holds a checkpoint",
                                       section="checkpoint")
-    checkpoint_every: int = _opt(1, "checkpoint every N steps (and after the last one)", section="checkpoint")
+    # checkpoint frequency and differential checkpoints (ckpt-speed)
+    checkpoint_every: str = _opt("1", "checkpoint every N steps (and after the last one), or auto: measure "
+                                 "a checkpoint's cost and checkpoint as often as --checkpoint-budget allows",
+                                 section="checkpoint")
+    checkpoint_budget: float = _opt(0.03, "--checkpoint-every auto: the share of step time checkpoints may "
+                                    "cost, in (0, 0.5]", section="checkpoint")
+    checkpoint_full_every: int = _opt(10, "with a sparse compressor (blocktopk, topk, randomk): a full snapshot "
+                                      "every N checkpoints, the exchanged update in between (1: always full)",
+                                      section="checkpoint")
     resume: bool | None = _opt(None, "resume from --checkpoint-dir (--resume: fail if it holds none; "
                                "--no-resume: start over, overwriting it); default: resume if it holds one",
                                section="checkpoint")
@@ -265,7 +273,7 @@ class TrainConfig:
         _within("batch_size", self.batch_size, 1, MAX_BATCH_SIZE)
         _within("threads", self.threads, 1, max_threads())
         _within("seed", self.seed, 0, MAX_SEED)
-        for name in ("steps", "epochs", "eval_every", "checkpoint_every", "trace_steps", "warmup_steps",
+        for name in ("steps", "epochs", "eval_every", "checkpoint_full_every", "trace_steps", "warmup_steps",
                      "exchange_every", "reelect_every", "sub_batches", "blocks_per_layer", "servers",
                      "channels", "conv_workers", "fc_workers", "powersgd_rank"):
             value = getattr(self, name)
@@ -309,7 +317,10 @@ class TrainConfig:
                              "use --device cpu")
 
     def _validate_checkpointing(self) -> None:
-        _at_least("checkpoint_every", self.checkpoint_every, 1)
+        self.checkpoint_every = _checkpoint_every(self.checkpoint_every)
+        if not 0.0 < self.checkpoint_budget <= 0.5:
+            raise UsageError(f"--checkpoint-budget must be in (0, 0.5], got {self.checkpoint_budget:g}")
+        _at_least("checkpoint_full_every", self.checkpoint_full_every, 1)
         if self.resume is not None and self.checkpoint_dir is None:
             raise UsageError("--resume/--no-resume needs --checkpoint-dir")
         if self.checkpoint_dir is not None:
@@ -430,6 +441,19 @@ def _within(name: str, value: int, low: int, high: int) -> None:
     _at_least(name, value, low)
     if value > high:
         raise UsageError(f"{_flag(name)} must be <= {high}, got {value}")
+
+
+def _checkpoint_every(value: Any) -> int | str:
+    """``--checkpoint-every``: a whole number of steps in [1, MAX_COUNT], or ``"auto"``."""
+    if value == "auto":
+        return value
+    try:
+        every = int(value) if not isinstance(value, (bool, float)) else None
+    except ValueError:
+        every = None
+    if every is None or str(value).strip() not in (str(every), f"+{every}") or not 1 <= every <= MAX_COUNT:
+        raise UsageError(f"--checkpoint-every must be a whole number from 1 to {MAX_COUNT}, or auto; got {value!r}")
+    return every
 
 
 def _flag(name: str) -> str:

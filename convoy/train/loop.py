@@ -19,7 +19,7 @@ from convoy.checkpoint.session import CheckpointSession, CheckpointSettings, Res
 from convoy.data import DatasetSplits, GlobalBatchSampler, build_dataset, iterate_batches
 from convoy.engine import Engine
 from convoy.engine.gradients import GradientGate, LossScaler
-from convoy.errors import TrainingDiverged
+from convoy.errors import TrainingDiverged, UsageError
 from convoy.models import build_model
 from convoy.utils.atomic import save_atomically
 from convoy.parallel import DataParallel, HybridParallel, ParallelLayout
@@ -110,8 +110,14 @@ def start_checkpoints(config: TrainConfig, layout: ParallelLayout, total_steps: 
     if config.checkpoint_dir is None:
         return None
     optimizer_class, hyper = optimizer_spec(config)
-    every = layout.engine.sync.checkpoint_period(config.checkpoint_every)   # hierarchical: whole cycles
-    settings = CheckpointSettings(config.checkpoint_dir, every, config.resume, config.timeout)
+    every = config.checkpoint_every
+    if every != "auto":
+        every = layout.engine.sync.checkpoint_period(every)   # hierarchical: whole cycles
+    elif layout.engine.sync.checkpoint_period(1) != 1:
+        raise UsageError("--checkpoint-every auto cannot be used with --sync hierarchical: its checkpoints fall "
+                         f"on exchange steps; give a multiple of --exchange-every ({config.exchange_every})")
+    settings = CheckpointSettings(config.checkpoint_dir, every, config.resume, config.timeout,
+                                  config.checkpoint_budget, config.checkpoint_full_every)
     module, group_ranks, full_names = layout.checkpoint_scope()
     return start_checkpointing(settings, module, layout.engine, optimizer_class, hyper, total_steps,
                                steps_per_epoch, group_ranks, full_names)
