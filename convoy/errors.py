@@ -15,3 +15,27 @@ class TrainingDiverged(RuntimeError):
     def __init__(self, step: int, what: str, hint: str = ""):
         self.step, self.what = step, what
         super().__init__(f"{what} at step {step}" + (f"; {hint}" if hint else ""))
+
+
+class JobStopped(RuntimeError):
+    """A stop signal ended the job after ``step`` steps, on every rank at the same step.
+
+    Not a failure: the command line prints the message on one line and exits
+    with status 128 + the signal's number, as a process ended by it would.
+
+    Args:
+        signum: the signal.
+        who: who received it (``SIGTERM to rank 1``, ``SIGTERM to the launcher``).
+        step: the steps every rank finished.
+        committed: the step of the checkpoint to resume from (None: no --checkpoint-dir).
+    """
+
+    def __init__(self, signum: int, who: str, step: int, committed: int | None):
+        self.signum, self.who, self.step, self.committed = signum, who, step, committed
+        super().__init__(f"stopped by {who} at step {step}; {self.detail()}")
+
+    def detail(self) -> str:
+        """What became of the run: the checkpoint and how to go on."""
+        if self.committed is None:
+            return "no checkpoint (--checkpoint-dir not set): a new run starts at step 0"
+        return f"checkpoint committed at step {self.committed}; resume with the same command"
