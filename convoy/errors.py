@@ -1,5 +1,15 @@
 """Exceptions that the command line turns into one-line errors with exit status 2."""
 
+# Every character str.splitlines() breaks at, and the other control characters.
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), 127, 0x85)} | {10: "\\n", 13: "\\r", 9: "\\t",
+                                                                   0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def one_line(message: str) -> str:
+    """``message`` with control characters escaped, so a name the user typed (a path with a newline)
+    cannot split the one line an error is printed on."""
+    return message.translate(_CONTROL)
+
 
 class UsageError(ValueError):
     """Bad input from the user: a value, a name, a file. Never a bug in convoy."""

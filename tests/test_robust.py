@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
+import json
 import os
 import random
 import re
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 
 from convoy.cli.main import build_parser
 from convoy.cli.train import config_from_args
-from convoy.errors import UsageError
+from convoy.errors import UsageError, one_line
 from convoy.train.config import config_fields
 from convoy.utils.atomic import save_atomically
 
@@ -37,7 +38,7 @@ def validate(argv: list[str]) -> tuple[int, str]:
             config_from_args(build_parser().parse_args(["train", *argv]))
             return 0, err.getvalue()
         except UsageError as exc:
-            print(f"convoy: error: {exc}", file=sys.stderr)
+            print(f"convoy: error: {one_line(str(exc))}", file=sys.stderr)
             return 2, err.getvalue()
 
 
@@ -250,3 +251,94 @@ def _gone_within(pid: int, seconds: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+# ------------------------------------------------------------------ every subcommand's flags
+_PROFILE = {"name": "tiny", "batch_size": 8, "layers": [
+    {"name": "conv", "shapes": [[8, 1, 3, 3], [8]], "forward_s": 0.001, "backward_s": 0.002},
+    {"name": "fc", "shapes": [[10, 512], [10]], "forward_s": 0.001, "backward_s": 0.002, "head": True}]}
+_PATHS = ["", ".", "/", "missing", "missing/deeper", "garbage.json", "list.json", "cluster.toml", "empty",
+          "ckpt", "run", "out.pt", "empty/out.pt"]
+_ANY = st.one_of(st.sampled_from(["", "0", "-1", "1", "2", "3", "inf", "-inf", "nan", "1e24", "0.5", "1e-300",
+                                  str(2**63), "100mbit", "0.5bit", "1gbit", "a,b", "allreduce", "ps", "auto",
+                                  "graph", "local", "random"] + _PATHS),
+                 st.text(max_size=8), st.integers().map(str), st.floats().map(str))
+# Each command: its fixed arguments, the flags fuzzed, and what runs (dry: parsing and the checks that
+# come before any process or network namespace starts; full: the whole command, in-process).
+_COMMANDS = {
+    "simulate": (["simulate", "--profile", "profile.json"],
+                 ["--nodes", "--rate", "--racks", "--inter-rack-rate", "--latency-ms", "--wake-ms", "--cores",
+                  "--lanes", "--strategy", "--element-fraction", "--blocks-per-layer", "--block-fraction",
+                  "--clusters", "--exchange-every", "--servers", "--slice-kb", "--conv-workers", "--fc-workers",
+                  "--powersgd-rank", "--batch-size", "--cluster", "--profile"]),
+    "plan": (["plan", "cluster.toml", "--profile", "profile.json"],
+             ["--top", "--batch-size", "--master-addr", "--master-port", "--steps-to-target", "--profile"]),
+    "plan-file": (["plan"], []),   # the cluster file itself fuzzed: the first value is the positional
+    "bench": (["bench", "cluster"], ["--hosts", "--rate", "--racks", "--inter-rack-rate"]),
+    "profile-nodes": (["profile-nodes"], ["--nproc", "--node-profile", "--clusters", "--indicator-weights",
+                                          "--server-choice", "--reelect-every", "--seed"]),
+    "inspect": (["checkpoint", "inspect"], []),
+    "export": (["checkpoint", "export"], []),
+    "plot": (["plot"], ["--out", "--rank"]),
+}
+
+
+def _run_cli(argv: list[str]) -> tuple[int, str]:
+    """``convoy ARGV`` in this process: (exit status, stderr). Anything but a UsageError escapes."""
+    from convoy.cli.main import main
+    from convoy.cli.profile_nodes import _check
+
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            if argv[0] == "profile-nodes":   # dry: the checks before any rank starts
+                args = build_parser().parse_args(argv)
+                _check(args, args.nproc)
+                return 0, err.getvalue()
+            return main(argv), err.getvalue()
+        except SystemExit as exc:   # argparse's own refusals
+            return exc.code, err.getvalue()
+        except UsageError as exc:
+            print(f"convoy: error: {one_line(str(exc))}", file=sys.stderr)
+            return 2, err.getvalue()
+
+
+def _files(root: Path) -> None:
+    (root / "profile.json").write_text(json.dumps(_PROFILE))
+    (root / "cluster.toml").write_text('nodes = 2\nrate = "100mbit"\n')
+    (root / "garbage.json").write_bytes(b"\x00\xff{[")
+    (root / "list.json").write_text("[1, 2]")
+    (root / "empty").mkdir(exist_ok=True)
+    (root / "ckpt").mkdir(exist_ok=True)
+    (root / "ckpt" / "model-rank0.ckpt").write_bytes(b"\x00" * 64)
+    (root / "run").mkdir(exist_ok=True)
+    (root / "run" / "metrics-rank0.jsonl").write_text('{"kind": "step", "step": 0, "loss": 1.0, "time": 0.1}\n{')
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(sorted(_COMMANDS)), st.data())
+def test_every_subcommand_fuzzed_exits_0_or_2_in_one_line_writing_nothing_outside(tmp_path, command, data):
+    """bench cluster is never given a command to run: it must refuse (bad flags, or no command) before
+    building any namespace; profile-nodes runs its checks only (valid flags would start ranks)."""
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    _files(work)
+    fixed, flags = _COMMANDS[command]
+    positional = {"plan-file": 1, "inspect": 1, "export": 2, "plot": 1}.get(command, 0)
+    argv = fixed + [data.draw(_ANY) for _ in range(positional)]
+    for flag, value in data.draw(st.lists(st.tuples(st.sampled_from(flags or ["--json"]), _ANY), max_size=3)):
+        argv += [flag, value]
+    before = set(tmp_path.iterdir())
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        t0 = time.monotonic()
+        code, stderr = _run_cli(argv)
+        with open("/tmp/stoptest/fuzz_times.txt", "a") as f:
+            f.write(f"{time.monotonic() - t0:.2f} {argv}\n")
+    finally:
+        os.chdir(cwd)
+    assert code in ((0, 1, 2) if command == "inspect" else (0, 2)), (argv, stderr)
+    if code:
+        assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, (argv, stderr)
+    assert set(tmp_path.iterdir()) == before

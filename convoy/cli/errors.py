@@ -7,7 +7,7 @@ import sys
 import traceback
 from typing import Callable, NoReturn
 
-from convoy.errors import JobStopped, TrainingDiverged, UsageError
+from convoy.errors import JobStopped, TrainingDiverged, UsageError, one_line
 from convoy.utils.lifetime import Stopped
 
 ERROR_FILE_ENV = "CONVOY_ERROR_FILE"
@@ -42,7 +42,7 @@ def report_failure(exc: BaseException, rank: int) -> int:
     code = exit_code(exc)
     # The user's input, the run's numbers or a stop signal, not a bug: no traceback.
     expected = code in (2, DIVERGED_EXIT) or is_stop(code)
-    summary = _summary(exc, rank)
+    summary = one_line(_summary(exc, rank))
     details = "" if expected else "".join(traceback.format_exception(exc))
     path = os.environ.get(ERROR_FILE_ENV)
     if path:  # the launcher prints the first failure, once for the whole job
