@@ -315,7 +315,7 @@ def _files(root: Path) -> None:
     (root / "run" / "metrics-rank0.jsonl").write_text('{"kind": "step", "step": 0, "loss": 1.0, "time": 0.1}\n{')
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.sampled_from(sorted(_COMMANDS)), st.data())
 def test_every_subcommand_fuzzed_exits_0_or_2_in_one_line_writing_nothing_outside(tmp_path, command, data):
     """bench cluster is never given a command to run: it must refuse (bad flags, or no command) before
@@ -332,10 +332,7 @@ def test_every_subcommand_fuzzed_exits_0_or_2_in_one_line_writing_nothing_outsid
     cwd = os.getcwd()
     os.chdir(work)
     try:
-        t0 = time.monotonic()
         code, stderr = _run_cli(argv)
-        with open("/tmp/stoptest/fuzz_times.txt", "a") as f:
-            f.write(f"{time.monotonic() - t0:.2f} {argv}\n")
     finally:
         os.chdir(cwd)
     assert code in ((0, 1, 2) if command == "inspect" else (0, 2)), (argv, stderr)
