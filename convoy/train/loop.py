@@ -224,7 +224,7 @@ def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, sp
             break
         epoch, skip = epoch + 1, 0
     stopped = stopped or guard.finish()
-    if step >= total_steps:   # the signal came during the last step: the run is complete
+    if step >= total_steps or _reached(config, accuracy):   # the signal came too late: the run is complete
         stopped = None
     engine.synchronize()
     if last is not None:   # None when resuming a finished run
