@@ -68,8 +68,9 @@ def _supervise(procs: list[subprocess.Popen], error_dir: Path) -> int:
         codes = [p.poll() for p in procs]
         failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
         if failed:
-            if is_stop(codes[failed[0]]) and read_failure(str(error_dir / f"rank{failed[0]}.json")):
-                _wait_all(procs, _STOP_GRACE_S)   # a rank was signalled: the others are finishing too
+            report = read_failure(str(error_dir / f"rank{failed[0]}.json")) or {}
+            if "stop" in report:   # the ranks agreed to stop after a step: the others are committing it too
+                _wait_all(procs, _STOP_GRACE_S)
             _stop(procs)
             rank = _first_failure(failed, error_dir)
             return _explain(rank, procs[rank].returncode, error_dir)
