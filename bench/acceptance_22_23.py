@@ -152,15 +152,15 @@ def launcher_signals_leave_no_worker(tmp: Path) -> tuple[bool, str]:
         workers = worker_pids(launcher.pid)
         launcher.send_signal(sig)
         start = time.monotonic()
-        try:
-            launcher.wait(timeout=15 if sig == signal.SIGTERM else 60)
-            exited = sig == signal.SIGKILL or time.monotonic() - start <= 15
+        while any(map(alive, workers)) and time.monotonic() - start < 15:
+            time.sleep(0.1)
+        left = [pid for pid in workers if alive(pid)]   # the issue's bound: no worker after 15 s
+        try:   # and the launcher exits (the issue sets no bound; 60 s here)
+            launcher.wait(timeout=60)
+            exited = True
         except subprocess.TimeoutExpired:
             exited = False
             launcher.kill()
-        while any(map(alive, workers)) and time.monotonic() - start < 15:
-            time.sleep(0.1)
-        left = [pid for pid in workers if alive(pid)]
         ok &= exited and not left and len(workers) == 2
         stderr = launcher.stderr.read().strip()
         seen.append(f"{sig.name}: launcher exited {exited} ({launcher.returncode}), workers left after "
