@@ -1,5 +1,15 @@
 """Exceptions that the command line turns into one-line errors with exit status 2."""
 
+# Every character str.splitlines() breaks at, and the other control characters.
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), 127, 0x85)} | {10: "\\n", 13: "\\r", 9: "\\t",
+                                                                   0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def one_line(message: str) -> str:
+    """``message`` with control characters escaped, so a name the user typed (a path with a newline)
+    cannot split the one line an error is printed on."""
+    return message.translate(_CONTROL)
+
 
 class UsageError(ValueError):
     """Bad input from the user: a value, a name, a file. Never a bug in convoy."""
@@ -15,3 +25,27 @@ class TrainingDiverged(RuntimeError):
     def __init__(self, step: int, what: str, hint: str = ""):
         self.step, self.what = step, what
         super().__init__(f"{what} at step {step}" + (f"; {hint}" if hint else ""))
+
+
+class JobStopped(RuntimeError):
+    """A stop signal ended the job after ``step`` steps, on every rank at the same step.
+
+    Not a failure: the command line prints the message on one line and exits
+    with status 128 + the signal's number, as a process ended by it would.
+
+    Args:
+        signum: the signal.
+        who: who received it (``SIGTERM to rank 1``, ``SIGTERM to the launcher``).
+        step: the steps every rank finished.
+        committed: the step of the checkpoint to resume from (None: no --checkpoint-dir).
+    """
+
+    def __init__(self, signum: int, who: str, step: int, committed: int | None):
+        self.signum, self.who, self.step, self.committed = signum, who, step, committed
+        super().__init__(f"stopped by {who} at step {step}; {self.detail()}")
+
+    def detail(self) -> str:
+        """What became of the run: the checkpoint and how to go on."""
+        if self.committed is None:
+            return "no checkpoint (--checkpoint-dir not set): a new run starts at step 0"
+        return f"checkpoint committed at step {self.committed}; resume with the same command"

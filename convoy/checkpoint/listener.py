@@ -432,6 +432,19 @@ class CheckpointListener(Listener):
             pause = min(2 * pause, _POLL_S[1])
 
     # ----------------------------------------------------------------- control
+    def commit_now(self, step: int) -> None:
+        """Checkpoint ``step`` although it is not due: the job stops after it (a stop signal).
+
+        Call from the training thread once the engine has applied ``step`` on
+        every layer and runs no more steps (``engine.close()``); then :meth:`close`.
+        """
+        if self.due(step):
+            return   # already staged by the engine's callbacks
+        self.last_step = step
+        for layer in self.engine.layers:
+            self.on_layer_updated(layer, step)
+        self.on_step_end(step, None)
+
     def flush(self) -> None:
         """Block until everything queued so far is committed (or raise the persister's error)."""
         self._wait(lambda: self._ends_in_flight == 0 and not any(self._held))

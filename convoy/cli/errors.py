@@ -7,7 +7,8 @@ import sys
 import traceback
 from typing import Callable, NoReturn
 
-from convoy.errors import TrainingDiverged, UsageError
+from convoy.errors import JobStopped, TrainingDiverged, UsageError, one_line
+from convoy.utils.lifetime import Stopped
 
 ERROR_FILE_ENV = "CONVOY_ERROR_FILE"
 DIVERGED_EXIT = 3   # the run stopped on a non-finite loss or gradient
@@ -20,19 +21,40 @@ def exit_code(exc: BaseException) -> int:
         return 130
     if isinstance(exc, TrainingDiverged):
         return DIVERGED_EXIT
+    if isinstance(exc, (JobStopped, Stopped)):   # as if the signal had ended the process
+        return 128 + exc.signum
     return 1
+
+
+def is_stop(code: int) -> bool:
+    """An exit status of a worker that a stop signal ended in order (see :func:`exit_code`)."""
+    return code > 128
+
+
+def _summary(exc: BaseException, rank: int) -> str:
+    if isinstance(exc, Stopped):
+        return f"stopped by {exc} to rank {rank} before training started"
+    return str(exc) if isinstance(exc, (UsageError, TrainingDiverged, JobStopped)) else f"{type(exc).__name__}: {exc}"
 
 
 def report_failure(exc: BaseException, rank: int) -> int:
     """Describe ``exc`` once, where the launcher (or a torchrun user) will look; return the exit code."""
     code = exit_code(exc)
-    expected = code in (2, DIVERGED_EXIT)   # the user's input or the run's numbers, not a bug: no traceback
-    summary = str(exc) if expected else f"{type(exc).__name__}: {exc}"
+    # The user's input, the run's numbers or a stop signal, not a bug: no traceback.
+    expected = code in (2, DIVERGED_EXIT) or is_stop(code)
+    summary = one_line(_summary(exc, rank))
     details = "" if expected else "".join(traceback.format_exception(exc))
     path = os.environ.get(ERROR_FILE_ENV)
     if path:  # the launcher prints the first failure, once for the whole job
+        report = {"rank": rank, "code": code, "summary": summary, "traceback": details}
+        if isinstance(exc, JobStopped):   # the launcher words the line itself when it was signalled
+            report["stop"] = {"step": exc.step, "detail": exc.detail()}
         with open(path, "w") as f:
-            json.dump({"rank": rank, "code": code, "summary": summary, "traceback": details}, f)
+            json.dump(report, f)
+        return code
+    if is_stop(code):   # under torchrun every rank stops; one line for the job
+        if rank == 0 or isinstance(exc, Stopped):
+            print(f"convoy: {summary}", file=sys.stderr, flush=True)
         return code
     sys.stderr.write(details)
     print(f"convoy: error: rank {rank}: {summary}" if code != 2 else f"convoy: error: {summary}",

@@ -2,7 +2,10 @@
 
 Like torchrun on one machine, without the elastic agent: it picks a free port,
 starts the workers with the rendezvous variables set, and, as soon as one of
-them fails, stops the others and prints the failing rank's error.
+them fails, stops the others and prints the failing rank's error. A stop
+signal (to the launcher or to a rank) ends the job in order: every rank
+finishes the same step and commits a checkpoint of it, then the launcher
+prints one line saying who stopped the job, at which step, and how to resume.
 """
 from __future__ import annotations
 
@@ -14,13 +17,13 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Callable
-from convoy.cli.errors import ERROR_FILE_ENV, read_failure
+from convoy.cli.errors import ERROR_FILE_ENV, is_stop, read_failure
 from convoy.runtime import BIND_STORE_ENV
 from convoy.utils.lifetime import Stopped, die_with_parent, stop_on_signals
 from convoy.utils.spawn import free_port
 
 _POLL_S = 0.05
-_GRACE_S = 5.0
+_STOP_GRACE_S = 30.0   # a stop signal: a step and a checkpoint to finish (torchrun's agent waits as long)
 
 
 def launch(config_json: str, nproc: int) -> int:
@@ -57,10 +60,7 @@ def run_ranks(argv_of: Callable[[int], list[str]], nproc: int, master_addr: str,
                                               preexec_fn=lambda: die_with_parent(launcher)))
             return _supervise(procs, Path(tmp))
         except Stopped as stop:
-            _stop(procs)
-            print(f"convoy: stopped: the launcher (pid {launcher}) received {stop}; every rank was stopped",
-                  file=sys.stderr, flush=True)
-            return 128 + stop.signum
+            return _stop_in_order(procs, Path(tmp), stop.signum, f"the launcher (pid {launcher})")
 
 
 def _supervise(procs: list[subprocess.Popen], error_dir: Path) -> int:
@@ -68,12 +68,56 @@ def _supervise(procs: list[subprocess.Popen], error_dir: Path) -> int:
         codes = [p.poll() for p in procs]
         failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
         if failed:
+            report = read_failure(str(error_dir / f"rank{failed[0]}.json")) or {}
+            if "stop" in report:   # the ranks agreed to stop after a step: the others are committing it too
+                _wait_all(procs, _STOP_GRACE_S)
             _stop(procs)
             rank = _first_failure(failed, error_dir)
             return _explain(rank, procs[rank].returncode, error_dir)
         if all(code == 0 for code in codes):
             return 0
         time.sleep(_POLL_S)
+
+
+def _stop_in_order(procs: list[subprocess.Popen], error_dir: Path, signum: int, receiver: str) -> int:
+    """Pass the launcher's stop signal on to every rank, wait for their checkpoint, and say so in one line.
+
+    A second signal while they finish kills them at once.
+    """
+    name = signal.Signals(signum).name
+    for p in procs:
+        _signal_group(p, signum)
+    try:
+        with stop_on_signals():
+            finished = _wait_all(procs, _STOP_GRACE_S)
+    except Stopped:
+        finished = False
+    _stop(procs)
+    if all(p.returncode == 0 for p in procs):
+        print(f"convoy: {receiver} received {name} after the last step; the run completed",
+              file=sys.stderr, flush=True)
+        return 0
+    reports = [read_failure(str(error_dir / f"rank{rank}.json")) for rank in range(len(procs))]
+    stops = [r["stop"] for r in reports if r and "stop" in r]
+    if finished and stops:
+        where = f" at step {stops[0]['step']}; {stops[0]['detail']}"
+    elif finished:
+        where = "; every rank was stopped"
+    else:
+        where = f"; the ranks did not stop within {_STOP_GRACE_S:g} s and were killed (a resume goes on from " \
+                "the last committed checkpoint)"
+    print(f"convoy: stopped by {name} to {receiver}{where}", file=sys.stderr, flush=True)
+    return 128 + signum
+
+
+def _wait_all(procs: list[subprocess.Popen], seconds: float) -> bool:
+    """Wait up to ``seconds`` for every rank to end; True when they all did."""
+    deadline = time.monotonic() + seconds
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_POLL_S)
+    return True
 
 
 def _first_failure(failed: list[int], error_dir: Path) -> int:
@@ -96,6 +140,9 @@ def _explain(rank: int, code: int, error_dir: Path) -> int:
                else f"exited with status {code}")
         print(f"convoy: error: rank {rank} {how}", file=sys.stderr, flush=True)
         return 1
+    if is_stop(failure["code"]):
+        print(f"convoy: {failure['summary']}", file=sys.stderr, flush=True)
+        return failure["code"]
     if failure["code"] != 2 and failure.get("traceback"):
         print(f"convoy: rank {rank} failed; its traceback:\n{failure['traceback']}", file=sys.stderr, end="")
     print(f"convoy: error: rank {rank}: {failure['summary']}" if failure["code"] != 2
@@ -104,16 +151,16 @@ def _explain(rank: int, code: int, error_dir: Path) -> int:
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every rank's process group, then SIGKILL what is left after _GRACE_S."""
+    """SIGKILL every rank still running (its process group) and reap it.
+
+    SIGKILL, not SIGTERM: a worker treats SIGTERM as a request to stop after
+    a step its peers agree on, which peers that failed can no longer give;
+    what it was writing is a checkpoint area without a commit record, ignored.
+    """
     for p in procs:
-        _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + _GRACE_S
+        _signal_group(p, signal.SIGKILL)
     for p in procs:
-        try:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        except subprocess.TimeoutExpired:
-            _signal_group(p, signal.SIGKILL)
-            p.wait()
+        p.wait()
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:

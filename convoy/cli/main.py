@@ -6,7 +6,7 @@ from typing import Sequence
 
 from convoy.cli import bench, checkpoint, plan, plot, profile_nodes, simulate, trace, train
 from convoy.cli.args import Parser
-from convoy.errors import UsageError
+from convoy.errors import UsageError, one_line
 
 
 def build_parser() -> Parser:
@@ -33,7 +33,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return args.func(args)
     except UsageError as exc:
-        print(f"convoy: error: {exc}", file=sys.stderr)
+        print(f"convoy: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:   # `convoy checkpoint inspect DIR | head`: the reader has gone, which is fine
+        sys.stderr.close()   # nothing left to say, and a flush at exit would fail again
+        return 0

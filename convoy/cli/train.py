@@ -105,14 +105,16 @@ def run_worker(config: TrainConfig) -> NoReturn:
     from convoy.runtime import shutdown
     from convoy.train.loop import run as train
 
-    from convoy.utils.lifetime import die_with_parent
+    from convoy.utils.lifetime import StopRequest, die_with_parent
 
     rank = int(os.environ.get("RANK", 0))
     die_with_parent(os.getppid())   # under torchrun, the agent; locally, convoy's launcher
     cwd_importable()
 
     def body() -> None:
-        summary = train(config)
+        # SIGTERM/SIGINT/SIGHUP (from convoy's launcher, torchrun's agent or a user) end the
+        # run after a step every rank agrees on, with a checkpoint of it; see StopRequest.
+        summary = train(config, StopRequest.install())
         shutdown()
         if rank == 0:
             print(summary.line(), flush=True)

@@ -13,12 +13,28 @@ SUBNET = "198.18.0"
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
 
 
+# Link rates convoy accepts, in bits/s: tc shapes in whole bytes per second, and a
+# slower or faster link than these is a typo (0.5bit for 0.5gbit), not a network.
+MIN_RATE, MAX_RATE = 1e3, 1e12
+
+
 def parse_rate(text: str) -> float:
-    """``"100mbit"`` -> 1e8 bits/s (tc's spelling: kbit, mbit, gbit; bit/s without a unit)."""
+    """``"100mbit"`` -> 1e8 bits/s (tc's spelling: kbit, mbit, gbit; bit/s without a unit).
+
+    Raises:
+        UsageError: not a rate, or outside 1kbit..1000gbit.
+    """
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(bit)?\s*", text.lower())
-    if not match or float(match.group(1)) <= 0:
+    if not match:
         raise UsageError(f"bad link rate {text!r}; write it like 100mbit, 1gbit or 500kbit")
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    return check_rate(float(match.group(1)) * _UNITS[match.group(2)], text)
+
+
+def check_rate(bits_per_s: float, text: object) -> float:
+    """``bits_per_s`` if it lies in MIN_RATE..MAX_RATE, else a UsageError quoting ``text``."""
+    if not MIN_RATE <= bits_per_s <= MAX_RATE:   # also false for NaN
+        raise UsageError(f"link rate {text!r} is out of range; give 1kbit to 1000gbit, e.g. 100mbit or 1gbit")
+    return bits_per_s
 
 
 @dataclass(frozen=True)

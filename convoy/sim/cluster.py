@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from convoy.emulation.topology import parse_rate
+from convoy.emulation.topology import check_rate, parse_rate
 from convoy.errors import UsageError
 from convoy.sim.network import TCP_EFFICIENCY, Link
 
@@ -167,6 +167,10 @@ def load_cluster(path: str | Path) -> Cluster:
         data = json.loads(text) if path.suffix == ".json" or text.lstrip().startswith("{") else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError) as exc:
         raise UsageError(f"cannot parse cluster file {path}: {exc}") from None
+    if not isinstance(data, dict):
+        kind = {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(data), "number")
+        raise UsageError(f"cluster file {path} holds a {kind}; it must hold an object with nodes and rate "
+                         "(or convoy profile-nodes --json output)")
     try:
         if isinstance(data.get("nodes"), list):
             return _from_node_profiles(data, path.stem)
@@ -179,9 +183,7 @@ def load_cluster(path: str | Path) -> Cluster:
 
 def _rate(value: object) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value <= 0:
-            raise UsageError(f"link rate must be > 0, got {value}")
-        return float(value)
+        return check_rate(float(value), value)
     return parse_rate(str(value))
 
 

@@ -19,7 +19,7 @@ from convoy.checkpoint.session import CheckpointSession, CheckpointSettings, Res
 from convoy.data import DatasetSplits, GlobalBatchSampler, build_dataset, iterate_batches
 from convoy.engine import Engine
 from convoy.engine.gradients import GradientGate, LossScaler
-from convoy.errors import TrainingDiverged, UsageError
+from convoy.errors import JobStopped, TrainingDiverged, UsageError
 from convoy.models import build_model
 from convoy.utils.atomic import save_atomically
 from convoy.parallel import DataParallel, HybridParallel, ParallelLayout
@@ -28,9 +28,10 @@ from convoy.sync import AllReduce, SyncStrategy, ring_allreduce_bytes
 from convoy.train.config import TrainConfig, save_config
 from convoy.train.hierarchical import build_hierarchy
 from convoy.train.ps import build_hybrid_ps_layout, build_ps_layout
-from convoy.train.divergence import DivergenceGuard, divergence_hint
+from convoy.train.divergence import DivergenceGuard, StopAgreement, divergence_hint
 from convoy.train.metrics import MetricsWriter
 from convoy.train.optim import build_compression, lr_lambda, optimizer_spec
+from convoy.utils.lifetime import StopRequest
 
 @dataclass
 class RunSummary:
@@ -41,6 +42,7 @@ class RunSummary:
     bytes_sent_per_worker: float   # the mean over all ranks
     run_dir: str
     bytes_sent_rank0: float | None = None   # what the progress bar counts; differs in ps and hybrid jobs
+    stopped: StopAgreement | None = None   # a stop signal ended the run after ``steps`` steps
 
     def line(self) -> str:
         sent, rank0 = f"{self.bytes_sent_per_worker / 1e6:.2f}", f"{(self.bytes_sent_rank0 or 0) / 1e6:.2f}"
@@ -51,8 +53,16 @@ class RunSummary:
                 f"run folder {self.run_dir}")
 
 
-def run(config: TrainConfig) -> RunSummary:
-    """Train as ``config`` says, on the process group from the environment."""
+def run(config: TrainConfig, stop: StopRequest | None = None) -> RunSummary:
+    """Train as ``config`` says, on the process group from the environment.
+
+    Args:
+        config: the job's settings.
+        stop: the worker's stop request (its signal handler); when a rank
+            receives a stop signal, every rank finishes the same step, commits a
+            checkpoint there (with --checkpoint-dir) and raises :class:`JobStopped`.
+    """
+    stop = stop or StopRequest()
     ctx = runtime.init("nccl" if config.device == "cuda" else "gloo", timeout_s=config.timeout)
     torch.set_num_threads(config.threads)
     splits = build_dataset(config.dataset, config.data_dir,
@@ -82,12 +92,14 @@ def run(config: TrainConfig) -> RunSummary:
                                             can_clip=config.sync != "ps" and config.parallel == "data"))
     try:
         summary = _train(config, ctx, layout, splits, sampler, total_steps, metrics, run_dir,
-                         guard, session.start if session else ResumePoint())
+                         guard, session.start if session else ResumePoint(), stop)
     except TrainingDiverged as exc:   # the engine's or the guard's message, with what to try
         raise guard.explain(exc) from None
     finally:
         metrics.close()
     layout.engine.close()
+    if summary.stopped is not None:
+        _commit_and_stop(summary, session)
     if session is not None:
         session.listener.close()   # the last checkpoint is committed before the job ends
     if config.trace:
@@ -102,6 +114,19 @@ def run(config: TrainConfig) -> RunSummary:
                         run_dir / "model.pt")
         (run_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
     return summary
+
+
+def _commit_and_stop(summary: RunSummary, session: CheckpointSession | None) -> None:
+    """Commit a checkpoint of the last step every rank finished, wait for every rank, raise JobStopped."""
+    stopped = summary.stopped
+    if session is not None:
+        if summary.steps > session.start.step:   # else the resumed checkpoint is that step
+            session.listener.commit_now(summary.steps - 1)
+        session.listener.close()
+    if dist.is_initialized():
+        dist.barrier()   # every rank's files are committed before any rank reports the stop
+    raise JobStopped(stopped.signum, stopped.who(), summary.steps,
+                     summary.steps if session is not None else None)
 
 
 def start_checkpoints(config: TrainConfig, layout: ParallelLayout, total_steps: int,
@@ -159,19 +184,20 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
 
 def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, splits: DatasetSplits,
            sampler: GlobalBatchSampler, total_steps: int, metrics: MetricsWriter, run_dir: Path,
-           guard: DivergenceGuard, resume: ResumePoint) -> RunSummary:
+           guard: DivergenceGuard, resume: ResumePoint, stop: StopRequest) -> RunSummary:
     engine = layout.engine
     bar = tqdm(total=total_steps, initial=resume.step, disable=not (config.progress and ctx.rank == 0),
                unit="step", dynamic_ncols=True, leave=False)
     start = time.perf_counter()
     bytes_sent, step, epoch, last = 0, resume.step, resume.epoch, None
     skip = resume.position   # batches of the resumed epoch already trained
-    accuracy, seen, right = None, 0, 0
-    while step < total_steps:
+    accuracy, seen, right, stopped = None, 0, 0, None
+    stop.defer()   # from here a stop signal ends the run after a step every rank agrees on
+    while step < total_steps and stopped is None:
         sampler.set_epoch(epoch)
         for x, y in iterate_batches(splits.train, islice(sampler, skip, None)):
             loss, correct = layout.train_step(x.to(ctx.device), y.to(ctx.device))
-            guard.check(step, loss)
+            stopped = guard.check(step, loss, stop.signum)
             if last is not None:
                 bytes_sent += _record_step(metrics, layout, *last)
             last = (step, epoch, loss, correct / len(y), time.perf_counter() - start)
@@ -186,15 +212,21 @@ def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, sp
             bar.set_postfix(loss=f"{loss:.3f}", **shown, samples_s=f"{samples_per_s:.0f}",
                             rank0_sent=f"{bytes_sent / 1e6:.1f}MB", refresh=False)
             bar.update()
-            if step >= total_steps or _reached(config, accuracy):
+            if step >= total_steps or _reached(config, accuracy) or stopped is not None:
                 break
         if _reached(config, accuracy):
             break
         epoch, skip = epoch + 1, 0
-    guard.finish()
+    stopped = stopped or guard.finish()
+    if step >= total_steps or _reached(config, accuracy):   # the signal came too late: the run is complete
+        stopped = None
     engine.synchronize()
     if last is not None:   # None when resuming a finished run
         bytes_sent += _record_step(metrics, layout, *last)
+    if stopped is not None:   # no evaluation: the stop should be quick
+        bar.close()
+        return RunSummary(step, time.perf_counter() - start, float("nan"), float("nan"), bytes_sent, str(run_dir),
+                          stopped=stopped)
     wall = time.perf_counter() - start
     accuracy, test_loss = layout.evaluate(splits.test, ctx.device)
     metrics.write("eval", step=step, time=wall, test_accuracy=accuracy, test_loss=test_loss)

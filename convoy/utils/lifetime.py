@@ -62,3 +62,47 @@ def stop_on_signals() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+class StopRequest:
+    """A stop signal a worker received, acted on between training steps.
+
+    Until :meth:`defer` is called (the training loop starts) a signal raises
+    :class:`Stopped` at once: nothing is in flight that a stop should finish.
+    From then on the handler only records the first signal; the loop passes
+    :attr:`signum` to the per-step agreement, so every rank stops after the
+    same step and can commit a checkpoint there. Later signals change nothing:
+    the launcher (or torchrun's agent) sends SIGKILL if the stop takes too long.
+
+    Example::
+
+        >>> stop = StopRequest.install()   # first thing in a worker
+        >>> stop.defer()                   # the training loop begins
+        >>> for step, batch in enumerate(batches):
+        ...     agreed = guard.check(step, train(batch), stop=stop.signum)
+    """
+
+    __slots__ = ("signum", "deferring")
+
+    def __init__(self) -> None:
+        self.signum = 0   # 0: no stop requested
+        self.deferring = False
+
+    @classmethod
+    def install(cls) -> "StopRequest":
+        """A request that STOP_SIGNALS set, for the rest of this process's life."""
+        request = cls()
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, request._handle)
+        return request
+
+    def defer(self) -> None:
+        """From now on, record stop signals instead of raising :class:`Stopped`."""
+        self.deferring = True
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if not self.signum:
+            self.signum = signum
+        if not self.deferring:
+            self.deferring = True   # raise once: the report of the stop must not be interrupted
+            raise Stopped(signum)
