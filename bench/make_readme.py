@@ -128,11 +128,14 @@ def _engine_vs_ddp_cluster() -> str:
     return table(["links", "engine step", "DDP step", "engine / DDP"], cells)
 
 
-def _checkpoint() -> str:
-    rows = rows_of("checkpoint")
+def _checkpoint(name: str) -> Callable[[], str]:
+    return lambda: _checkpoint_table(rows_of(name))
+
+
+def _checkpoint_table(rows: list[Row]) -> str:
     return table(["model", "mode", "median step", "overhead", "stall / ckpt", "MB / ckpt", "recovery"],
                  [[r["model"], r["mode"], seconds(r["median_step_s"]),
-                   "" if r["mode"] == "none" else f"+{r['overhead_%']:.1f}%",
+                   "" if r["mode"] == "none" else f"{r['overhead_%']:+.1f}%",
                    "" if r["mode"] == "none" else f"{r['stall_ms']:.3g} ms",
                    "" if r["mode"] == "none" else number(r["MB_per_ckpt"]),
                    seconds(r.get("recovery_s"), missing="")] for r in rows])
@@ -201,6 +204,12 @@ def _time_to_accuracy(*names: str, reference: str | None = None) -> Callable[[],
         return table(["links", "strategy", "time to 97%", "steps", "vs convoy all-reduce", "best accuracy", "step",
                       "MB / step / worker"], cells)
     return render
+
+
+def _stop_flag() -> str:
+    return table(["variant", "us / step (best)", "median", "check cost us"],
+                 [[r["variant"], number(r["us_per_step_best"]), number(r["us_per_step_median"]),
+                   number(r["check_us"])] for r in rows_of("stop_flag")])
 
 
 def _training_guards() -> str:
@@ -431,7 +440,14 @@ BLOCKS: tuple[Block, ...] = (
     Block("checkpoint", "Checkpointing every step", ("checkpoint",),
           "python bench/checkpoint.py --steps 8 --rounds 3",
           "torch.save and torch.distributed.checkpoint's async_save every step; torch.load for recovery",
-          _checkpoint),
+          _checkpoint("checkpoint")),
+    Block("checkpoint_blocktopk", "Checkpointing every step under blocktopk (differential checkpoints)",
+          ("checkpoint_blocktopk",), "python bench/checkpoint.py --compress blocktopk --models resnet18",
+          "torch.save (with and without fsync) and async_save every step, each rank's residuals included",
+          _checkpoint("checkpoint_blocktopk")),
+    Block("stop_flag", "What the stop signal adds to the guard's per-step flag", ("stop_flag",),
+          "python bench/stop_flag.py --steps 1000 --rounds 5 --world 2",
+          "the loss flag alone (before the stop signal travelled in it)", _stop_flag),
     Block("compression_selection", "Block selection against torch.topk", ("compression_selection",),
           "python -m bench.compression.selection", "torch.topk at the same number of elements",
           _compression_selection),
@@ -455,6 +471,13 @@ BLOCKS: tuple[Block, ...] = (
           "--strategies powersgd blocktopk --tag sparse",
           "DDP + PowerSGD (rank 2); dense from the 100 Mbit run above",
           _time_to_accuracy("time_to_accuracy_vgg_fc_100mbit_sparse", reference="time_to_accuracy_vgg_fc_100mbit"),
+          emulated=True),
+    Block("tta_vgg_fc_100mbit_powersgd_engine", "Time to 97%: convoy's powersgd against DDP + PowerSGD",
+          ("time_to_accuracy_vgg_fc_100mbit_run1",),
+          "python bench/time_to_accuracy.py --hosts 4 --rate 100mbit --model vgg_fc --lr 0.02 --batch-size 16 "
+          "--steps 400 --eval-every 20 --strategies powersgd convoy-powersgd blocktopk --tag run1",
+          "DDP + torch's PowerSGD hook (rank 2); dense from the 100 Mbit run above",
+          _time_to_accuracy("time_to_accuracy_vgg_fc_100mbit_run1", reference="time_to_accuracy_vgg_fc_100mbit"),
           emulated=True),
     Block("tta_lenet_100mbit", "Time to 97%: lenet, 4 hosts at 100 Mbit", ("time_to_accuracy_lenet_100mbit",),
           "python bench/time_to_accuracy.py --model lenet --lr 0.05 --batch-size 32 --steps 600 --eval-every 20 "
