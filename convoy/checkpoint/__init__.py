@@ -1,4 +1,4 @@
-"""Layer-wise pipelined checkpoints into a memory-mapped (persistent-memory) file (seed 003).
+"""Layer-wise pipelined checkpoints into a memory-mapped (persistent-memory) file.
 
 - :mod:`~convoy.checkpoint.format`: the layout, fixed offsets, commit records.
 - :mod:`~convoy.checkpoint.store`: the mapped file with two areas, msync.

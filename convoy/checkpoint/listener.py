@@ -1,4 +1,4 @@
-"""The engine listener that checkpoints layer by layer while training goes on (seed 003).
+"""The engine listener that checkpoints layer by layer while training goes on.
 
 On the engine's auxiliary thread, the moment a layer's update for a
 checkpointed step is applied, ``on_layer_updated`` hands the layer to a

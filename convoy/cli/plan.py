@@ -40,8 +40,8 @@ or the JSON of convoy profile-nodes --json (per-node uplink_mbps and clock
 rates; its clusters become racks).
 
 By itself plan ranks speed per step, not accuracy: sparse compression, long
-exchange periods and fewer data workers can cost steps (see the README's
-Benchmarks). --steps-to-target FILE gives it each strategy's measured steps
+exchange periods and fewer data workers can cost steps (docs/benchmarks.md
+shows measured runs). --steps-to-target FILE gives it each strategy's measured steps
 to a target accuracy, and plan ranks by steps x predicted step time. Steps
 do not depend on the link, so measure them once (same model, batch and
 number of nodes) on any cluster, e.g. the emulated one of convoy bench:

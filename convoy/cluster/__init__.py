@@ -1,4 +1,4 @@
-"""Heterogeneity-aware clustering of nodes (seed 001): profile, normalise, weight, k-means, elect.
+"""Heterogeneity-aware clustering of nodes: profile, normalise, weight, k-means, elect.
 
 The pieces, one idea per module:
 

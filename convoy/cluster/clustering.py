@@ -1,4 +1,4 @@
-"""k-means over the nodes' weighted vectors (seed 001, claim 1), ``auto`` by silhouette."""
+"""k-means over the nodes' weighted vectors, ``auto`` by silhouette."""
 from __future__ import annotations
 
 import warnings

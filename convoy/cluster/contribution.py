@@ -1,8 +1,7 @@
 """Weights of the inter-cluster exchange: each cluster's contribution over all earlier cycles.
 
-The seed (claim 1) weights the averages the other clusters send by their
-"total contribution" over all earlier exchange cycles; its formula is lost.
-convoy scores how well a cluster's work agreed with the result of the exchange:
+The inter-cluster exchange weights the averages the clusters send by each
+cluster's total contribution over all earlier exchange cycles. convoy scores how well a cluster's work agreed with the result of the exchange:
 
     a_j(c) = cos(D_j(c), D(c))       D_j(c): cluster j's parameter change over cycle c,
                                       D(c): the change the exchange applied (the weighted mean)

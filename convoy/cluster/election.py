@@ -1,4 +1,4 @@
-"""Electing each cluster's temporary sync server (seed 001, claim 4), again every R cycles."""
+"""Electing each cluster's temporary sync server, again every R cycles."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,7 +16,7 @@ class Election:
         clusters: the clusters' ranks, in canonical order.
         every: R, the cycles one election lasts (re-election every R cycles).
         seed: fixes the random order; the same seed gives the same servers.
-        choice: ``"random"`` (the seed's claim 4): each cluster's members are
+        choice: ``"random"`` (the default rotation): each cluster's members are
             put in an order drawn with the seed, and election e picks the
             member at position e mod size, so the role rotates through every
             member before any serves twice; ``"capable"``: always the member

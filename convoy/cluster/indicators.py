@@ -1,4 +1,4 @@
-"""The six node indicators of seed 001 (claim 2) and how much each counts by default.
+"""The six node indicators and how much each counts by default.
 
 Units: ``cpu_mhz`` and ``gpu_mhz`` in MHz, ``memory_gb`` and ``gpu_memory_gb``
 in GiB, ``disk_mbps`` in MB/s (megabytes, a timed write + fsync), ``uplink_mbps``

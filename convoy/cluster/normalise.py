@@ -1,4 +1,4 @@
-"""Normalising indicators with their historical maximum, average and minimum (seed 001, claim 3).
+"""Normalising indicators with their historical maximum, average and minimum.
 
 The seed keeps, per indicator, the highest value x_max, the average x_avg and
 the lowest value x_min seen over past exchange cycles; its formula is lost (an

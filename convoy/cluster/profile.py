@@ -1,4 +1,4 @@
-"""Measuring a node's six indicators (seed 001, claim 2), and every node of a job.
+"""Measuring a node's six indicators, and every node of a job.
 
 Each rank measures its CPU clock, memory, GPU clock and memory (0 without a
 GPU) and disk throughput (a timed write + fsync in a temporary directory);

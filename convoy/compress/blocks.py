@@ -1,4 +1,4 @@
-"""Gradient blocks of contiguous memory (seed 002): cutting, scoring and choosing them.
+"""Gradient blocks of contiguous memory: cutting, scoring and choosing them.
 
 A flat layer gradient is the concatenation of its parameters' gradients. With a
 block size ``N`` each parameter is cut into blocks of ``N`` elements (exactly:

@@ -1,4 +1,4 @@
-"""Block-sparse top-k (seed 002): keep each parameter's highest-norm blocks of contiguous memory."""
+"""Block-sparse top-k: keep each parameter's highest-norm blocks of contiguous memory."""
 from __future__ import annotations
 
 from typing import Any

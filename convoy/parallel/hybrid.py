@@ -1,4 +1,4 @@
-"""Hybrid parallelism (seed 000): conv layers data-parallel on I workers, the FC head
+"""Hybrid parallelism: conv layers data-parallel on I workers, the FC head
 data-parallel on J workers, and a model-parallel link between them.
 
 Conv worker i (ranks 0..I-1) reads its slice of every global batch, runs the

@@ -1,4 +1,4 @@
-"""Parameter-server training with graph-derived transfer priorities (seed 004), as sync strategies.
+"""Parameter-server training with graph-derived transfer priorities, as sync strategies.
 
 S server ranks hold the parameters, sharded layer by layer; W workers push each
 layer's (compressed) gradient as backward produces it and pull the updated

@@ -66,7 +66,8 @@ def candidates(nodes: int, racks: int = 1, has_head: bool = True, costs: CpuCost
     """Every convoy strategy and knob setting worth predicting on ``nodes`` nodes.
 
     Densities stop at 1% and exchange periods at 20 steps: beyond them the
-    README's accuracy runs show training suffering, and plan ranks speed only.
+    measured accuracy runs (bench/results) show training suffering, and plan
+    ranks speed only.
     """
     out: list[Strategy] = [LayerRing(Compression(), costs), LayerRing(Compression("fp16"), costs)]
     for fraction in (0.1, 0.01):

@@ -2,8 +2,8 @@
 
 A strategy that halves the step time but needs four times the steps loses, and
 the simulator alone cannot see that. Steps to a target accuracy do not depend
-on the link: every strategy of the README's suite needed the same steps at
-100 Mbit and at 1 Gbit. So steps measured once, on whatever cluster is at hand,
+on the link: every strategy of the comparison suite (bench/suite.py) needed the
+same steps at 100 Mbit and at 1 Gbit. So steps measured once, on whatever cluster is at hand,
 times the simulator's step time predict the time to accuracy on another link.
 They do depend on the model, the batch per worker and the number of workers
 (the global batch), which the file records and plan checks.

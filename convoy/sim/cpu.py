@@ -33,7 +33,7 @@ class CpuCosts:
             feedback; measured against plain DDP on one process: lenet +1.8 ms, vgg_fc
             +10 ms per step at rank 2).
 
-    The defaults come from the 2-core machine of the README: compression by
+    The defaults were measured on a 2-core CPU machine: compression by
     :func:`measure_cpu_costs` (one thread, a 2048 x 1024 gradient); bytes
     fitted to ``bench/results/engine_vs_ddp.json`` (loopback, 2 and 4 workers,
     where the network is free and only the CPU it costs shows). powersgd's were

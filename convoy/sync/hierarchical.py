@@ -1,4 +1,4 @@
-"""Hierarchical sync (seed 001): a temporary server per cluster every batch, clusters exchange every T batches.
+"""Hierarchical sync: a temporary server per cluster every batch, clusters exchange every T batches.
 
 Inside an exchange cycle each cluster is a synchronous data-parallel group:
 every batch, each member sends its (compressed) gradient to the cluster's

@@ -1,4 +1,4 @@
-"""``--sync hierarchical`` (seed 001): a temporary server per cluster every step, clusters meet every T steps.
+"""``--sync hierarchical``: a temporary server per cluster every step, clusters meet every T steps.
 
 Every step, inside each cluster of ``m`` hosts, members send each layer's
 gradient to the cluster's server, which sends the average back: ``m-1`` copies

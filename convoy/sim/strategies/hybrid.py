@@ -1,4 +1,4 @@
-"""``--parallel hybrid`` (seed 000): conv layers data-parallel on I workers, the FC head on J.
+"""``--parallel hybrid``: conv layers data-parallel on I workers, the FC head on J.
 
 A conv worker runs its conv layers on its batch ``b``, sends the activations
 and labels to its FC worker, waits for the gradient of the activations, and

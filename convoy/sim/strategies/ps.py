@@ -1,4 +1,4 @@
-"""``--sync ps`` (seed 004): S server ranks own whole layers; W workers push gradients and pull parameters.
+"""``--sync ps``: S server ranks own whole layers; W workers push gradients and pull parameters.
 
 Every byte a worker pushes, the layer's server receives from all W workers,
 and every byte pulled it sends W times: the servers' links are the
