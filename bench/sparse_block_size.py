@@ -3,7 +3,7 @@
     python -m bench.sparse_block_size [--sizes 0 16 32 64 256 1024] [--train-sizes 16 32 256]
                                       [--steps 300] [--parallel 2]
 
-For every block size (0: the seed's rows and filters) and the parameter shapes
+For every block size (0: rows and filters, cut along the first dimension) and the parameter shapes
 of vgg_fc and resnet18 (3x32x32 inputs), times what blocktopk does per step
 with one thread (block scores, choice of the top 1%, run-length encoding of a
 random gradient), median of 3. For ``--train-sizes`` it also trains vgg_fc on

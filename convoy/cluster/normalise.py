@@ -1,8 +1,7 @@
 """Normalising indicators with their historical maximum, average and minimum.
 
-The seed keeps, per indicator, the highest value x_max, the average x_avg and
-the lowest value x_min seen over past exchange cycles; its formula is lost (an
-image). convoy uses mean normalisation, the one formula that needs all three,
+Per indicator, the highest value x_max, the average x_avg and the lowest value
+x_min seen over past exchange cycles are kept. convoy uses mean normalisation, the one formula that needs all three,
 on a log scale::
 
     v  = log2(1 + x)

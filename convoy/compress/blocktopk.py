@@ -23,17 +23,17 @@ class BlockTopKCompressor(Compressor):
     between ranks, so they are gathered, not summed. With ``"global"`` the
     ranks first sum their block scores, pick the same blocks, and send only
     those blocks' raw values, which all-reduce (traffic does not grow with
-    the number of workers). Pair it with :class:`ResidualMemory` for the seed's
-    error feedback.
+    the number of workers). Pair it with :class:`ResidualMemory` for error
+    feedback.
 
     Args:
-        blocks_per_layer: blocks kept per parameter (the seed's default is 1).
+        blocks_per_layer: blocks kept per parameter (default 1).
         fraction: instead, this fraction of each parameter's blocks, rounded,
             at least one; exclusive with ``blocks_per_layer``.
         metric: ``"l1"`` or ``"l2"``, the norm that scores a block.
         selection: ``"local"`` or ``"global"``.
         block_size: elements per block; ``None`` cuts parameters along their
-            first dimension (the seed's rows and filters).
+            first dimension (a block is a row or a filter).
 
     Example::
 

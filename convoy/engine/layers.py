@@ -102,7 +102,7 @@ class Bucket:
 def make_buckets(layers: list[Layer], bucket_bytes: int) -> list[Bucket]:
     """Group ``layers``, taken in reverse forward order, into buckets of at least ``bucket_bytes``.
 
-    ``bucket_bytes = 0`` gives one bucket per layer (the seed's pure layer-wise sync).
+    ``bucket_bytes = 0`` gives one bucket per layer (pure layer-wise sync).
     """
     buckets: list[Bucket] = []
     current: list[Layer] = []

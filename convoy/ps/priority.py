@@ -5,7 +5,7 @@ maps say in which order a server should send them for the next forward:
 
 - ``graph`` (TicTac's TIC, P3's order): the receive that unblocks the earliest
   operation of the forward comes first. In an eager forward this is forward order.
-- ``timed`` (TicTac's TAC, with the seed's execution-time bound): a greedy
+- ``timed`` (TicTac's TAC, bounded by measured execution times): a greedy
   schedule over the operation graph that knows each operation's measured run
   time P and each receive's transfer time M (bytes / measured bandwidth). At
   every step, among the receives that alone unblock computation, it takes the
