@@ -30,6 +30,10 @@ class LayerInfo:
             warm-up's ramp); sparse compressors honour it, others ignore it.
         world_size: ranks whose payloads will be summed (fp16 keeps each
             rank's share of the sum within its range).
+        remote: the final payload is decoded by a receiver that knows only
+            the shapes, step and density (a parameter server), with the
+            context of compressing zeros: the payload must then carry
+            whatever else decoding needs (PowerSGD's agreed basis).
 
     Example::
 
@@ -41,6 +45,7 @@ class LayerInfo:
     step: int | None = None
     density: float | None = None
     world_size: int = 1
+    remote: bool = False
 
 
 class Compressor(ABC):
@@ -52,6 +57,11 @@ class Compressor(ABC):
     """
 
     summable: bool = True
+    # Whether decompressing the final payload summed over the ranks feeds the
+    # next compress (PowerSGD's warm start): an exchange that never sums it
+    # (a parameter-server push) must sum its first tensor (a remote payload's
+    # others carry the agreed context) over the ranks and hand it to keep_sum.
+    keeps_sum: bool = False
     # The share of a layer a sparse compressor sends (None: dense, or a fixed count);
     # a warm-up ramps the density down to it.
     density: float | None = None
@@ -90,6 +100,9 @@ class Compressor(ABC):
     def next_round(self, summed: Payload, ctx: Any) -> tuple[Payload, Any]:
         """The next round's payload and context, given this round's payload summed over the ranks."""
         raise NotImplementedError(f"{type(self).__name__} has a single round")
+
+    def keep_sum(self, summed: Payload, ctx: Any) -> None:
+        """Keep what the next step needs of the final payload summed over the ranks (see ``keeps_sum``)."""
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """State a bit-identical resume needs (a warm start), by stable ``kind.name`` keys."""

@@ -18,6 +18,12 @@ One exchange takes two rounds, and every rank follows the same steps:
 5. All-reduce: ``Q = sum_i Q_i``; the summed update is ``P^ Q^T``, which is the
    sum of the ranks' contributions. ``Q`` is kept as the next step's warm start.
 
+A parameter server cannot run step 5: its workers push their own ``Q_i``.
+Asked for a remote payload (``LayerInfo.remote``), the final payload also
+carries the ``P^`` every worker agreed on, so the server decodes each row as
+``P^ Q_i^T`` and sums: the same ``P^ (sum_i Q_i)^T``. The workers then sum
+their ``Q_i`` among themselves for the warm start (:meth:`keep_sum`).
+
 Parameters whose factors would not be at least ``min_compression`` times
 smaller than the matrix (biases, small layers, a rank as large as the matrix's
 smaller side) are sent dense, in the second round.
@@ -57,6 +63,7 @@ class _Exchange:
     matrices: list[torch.Tensor] = field(default_factory=list)   # the compensated gradient's matrices
     bases: list[torch.Tensor] = field(default_factory=list)      # orthonormal P of each, after round 1
     round: int = 1
+    remote: bool = False   # the final payload carries the bases (a receiver without the rounds decodes it)
 
 
 def orthonormalise(matrix: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -102,6 +109,7 @@ class PowerSGDCompressor(Compressor):
     """
 
     summable = True
+    keeps_sum = True
 
     def __init__(self, rank: int = 2, min_compression: float = 2.0, seed: int = 0):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -142,7 +150,7 @@ class PowerSGDCompressor(Compressor):
                  info: LayerInfo | None = None) -> tuple[Payload, Any]:
         segments = self.segments(tensor, info)
         flat = tensor.reshape(-1)
-        ctx = _Exchange(name, segments, flat)
+        ctx = _Exchange(name, segments, flat, remote=bool(info and info.remote))
         ctx.matrices = [flat[s.offset:s.offset + s.numel].view(s.rows, s.cols) for s in segments if s.low_rank]
         if not ctx.matrices:
             return self._final_payload(ctx)
@@ -172,25 +180,49 @@ class PowerSGDCompressor(Compressor):
             else:
                 parts.append(ctx.flat[segment.offset:segment.offset + segment.numel])
         # A fresh tensor: the exchange sums it in place, the gradient must stay.
-        return [torch.cat(parts) if len(parts) > 1 else parts[0].clone()], ctx
+        payload = [torch.cat(parts) if len(parts) > 1 else parts[0].clone()]
+        if ctx.remote and ctx.bases:
+            payload.append(torch.cat([basis.reshape(-1) for basis in ctx.bases]))
+        return payload, ctx
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
-        # 5. The update is P^ Q^T per factored parameter; keep Q as the next warm start.
+        # 5. The update is P^ Q^T per factored parameter; keep Q as the next warm start
+        # (a remote payload is one worker's Q_i: the workers keep their sum, keep_sum).
         wire = payload[0]
         out = torch.empty(ctx.flat.numel(), dtype=ctx.flat.dtype)
-        position, bases = 0, iter(enumerate(ctx.bases))
+        position, bases = 0, iter(self._bases(payload, ctx))
         for segment in ctx.segments:
             target = out[segment.offset:segment.offset + segment.numel]
             if segment.low_rank:
-                index, basis = next(bases)
                 q = wire[position:position + segment.cols * self.rank].view(segment.cols, self.rank)
-                torch.matmul(basis, q.T, out=target.view(segment.rows, segment.cols))
-                self.warm[f"{ctx.name}.{index}"] = q.clone()
+                torch.matmul(next(bases), q.T, out=target.view(segment.rows, segment.cols))
                 position += segment.cols * self.rank
             else:
                 target.copy_(wire[position:position + segment.numel])
                 position += segment.numel
+        if not ctx.remote:
+            self.keep_sum(payload, ctx)
         return out
+
+    def keep_sum(self, summed: Payload, ctx: Any) -> None:
+        """Keep each factored parameter's ``Q`` of ``summed`` (the final payload summed over the ranks)."""
+        position, index = 0, 0
+        for segment in ctx.segments:
+            if segment.low_rank:
+                q = summed[0][position:position + segment.cols * self.rank].view(segment.cols, self.rank)
+                self.warm[f"{ctx.name}.{index}"] = q.clone()
+                position, index = position + segment.cols * self.rank, index + 1
+            else:
+                position += segment.numel
+
+    def _bases(self, payload: Payload, ctx: _Exchange) -> list[torch.Tensor]:
+        """The orthonormal P of each factored parameter: the rounds', or a remote payload's own."""
+        if not ctx.remote:
+            return ctx.bases
+        rows = [s.rows for s in ctx.segments if s.low_rank]
+        if not rows:
+            return []
+        return [p.view(n, self.rank) for p, n in zip(payload[1].split([n * self.rank for n in rows]), rows)]
 
     def _shared_q(self, name: str, index: int, matrix: torch.Tensor) -> torch.Tensor:
         key = f"{name}.{index}"

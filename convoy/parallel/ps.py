@@ -49,9 +49,11 @@ def server_engine(job: PSJob, rank: int, optimizer_class: type[torch.optim.Optim
 
 def worker_engine(job: PSJob, rank: int, part: nn.Module, optimizer_class: type[torch.optim.Optimizer],
                   hyper: dict[str, Any], lr_lambda: Callable[[int], float] | None, compressor: Compressor | None,
-                  memory: Memory | None, warmup_steps: int, timeline: Timeline | None) -> Engine:
-    """The engine of worker ``rank`` training ``part``: pushes and pulls, the update on the servers."""
-    sync = PushPull(job, rank, part, compressor, memory, warmup_steps, timeline)
+                  memory: Memory | None, warmup_steps: int, timeline: Timeline | None,
+                  agreement_group: dist.ProcessGroup | None = None) -> Engine:
+    """The engine of worker ``rank`` training ``part``: pushes and pulls, the update on the servers
+    (``agreement_group``: every worker of ``part``'s layers, for compressors that agree, e.g. PowerSGD)."""
+    sync = PushPull(job, rank, part, compressor, memory, warmup_steps, timeline, agreement_group)
     return Engine(part, optimizer_class, sync, listeners=sync.listeners(), lr_lambda=lr_lambda, bucket_bytes=0,
                   **hyper)
 
@@ -99,7 +101,7 @@ class ParameterServerLayout(ParallelLayout):
         else:
             self.data_rank = self.roles.worker_index(rank)
             self.engine = worker_engine(self.job, rank, model, optimizer_class, hyper, lr_lambda, compressor,
-                                        memory, warmup_steps, self.timeline)
+                                        memory, warmup_steps, self.timeline, self.worker_group)
         self._reports = self.roles.is_server(0)   # rank 0 shows progress: the workers tell it their losses
 
     # ------------------------------------------------------------- training

@@ -6,10 +6,11 @@ puts the payload on the wire as a row (:mod:`convoy.sync.rows`). The row's
 width at a step is what both ends can compute alone: the compressor's bound
 on the payload, or, for a compressor without one, the payload's fixed size.
 The server learns a step's widths and decoding context by compressing a zero
-gradient of the layer's shapes at that step (the context of every
-compressor here depends on shapes, step and density, not on values), so it
-posts each receive at its exact size ahead of the push and decodes the rows
-of every worker in worker order.
+gradient of the layer's shapes at that step, asking for a remote payload
+(``LayerInfo.remote``: the context then depends on shapes, step and density,
+not on values; a compressor with rounds, PowerSGD, puts what its workers
+agreed on in the payload), so it posts each receive at its exact size ahead
+of the push and decodes the rows of every worker in worker order.
 
 Push slices are cut from a row of the layer's capacity (the larger of the
 dense row and the first step's compressed row), so slice ids, tags and
@@ -73,8 +74,10 @@ class RowCodec:
         with self._lock:
             if key not in self._rows:
                 compressor, density = self.compressor_at(step)
-                info = LayerInfo(shapes=shapes, agree=_no_agreement, step=step, density=density)
+                info = LayerInfo(shapes=shapes, agree=_no_agreement, step=step, density=density, remote=True)
                 payload, ctx = compressor.compress(torch.zeros(numel), str(layer), info)
+                while compressor.more_rounds(ctx):   # a remote payload's context holds no round's values
+                    payload, ctx = compressor.next_round(payload, ctx)
                 self._rows[key] = (wire_width(compressor, payload, ctx), [t.dtype for t in payload], ctx, compressor)
             return self._rows[key]
 

@@ -57,6 +57,10 @@ class PushPull(AllReduce):
             its layers get forward hooks that announce each training step to the servers.
         compressor, memory, warmup_steps: as for :class:`AllReduce`.
         timeline: records spans for the Chrome trace, or ``None``.
+        agreement_group: the workers that push this model's layers (every one of
+            them, nothing else), for compressors that agree before they push:
+            PowerSGD's P round and warm start are summed over it. ``None``: a
+            compressor that needs agreement is refused.
 
     Example::
 
@@ -66,10 +70,12 @@ class PushPull(AllReduce):
 
     returns_parameters = True
     completes_in_order = False
+    remote_payloads = True
 
     def __init__(self, job: PSJob, rank: int, model: nn.Module, compressor: Compressor | None = None,
-                 memory: Memory | None = None, warmup_steps: int = 0, timeline: Timeline | None = None):
-        super().__init__(None, compressor, memory, warmup_steps)
+                 memory: Memory | None = None, warmup_steps: int = 0, timeline: Timeline | None = None,
+                 agreement_group: dist.ProcessGroup | None = None):
+        super().__init__(agreement_group, compressor, memory, warmup_steps)
         self.job, self.rank, self.timeline = job, rank, timeline
         mine = [i for i, workers in enumerate(job.layer_workers) if rank in workers]
         self.world_size = len(job.layer_workers[mine[0]]) if mine else 1   # workers averaged over
@@ -142,10 +148,12 @@ class PushPull(AllReduce):
         except TransferError as exc:
             self._waiter.fail("pushing to a parameter server failed", exc)
             self._waiter.raise_if_failed()
+        if compressor.keeps_sum:   # while the push is on its way (the row is a copy)
+            compressor.keep_sum([self._agree(t) for t in payload[:1]], ctx)
         return _Pull(self, layer, step)
 
     def _agree(self, tensor: torch.Tensor) -> torch.Tensor:
-        return _no_agreement(tensor)
+        return _no_agreement(tensor) if self.group is None else super()._agree(tensor)
 
     def next_done(self, pending: Sequence[PendingSync]) -> int:
         self._waiter.wait_for(lambda: any(p.is_done() for p in pending), self._check_scheduler)

@@ -66,6 +66,10 @@ class AllReduce(SyncStrategy):
         >>> sparse = AllReduce(dist.new_group(), BlockTopKCompressor(1), ResidualMemory())
     """
 
+    # Whether the final payload goes to a receiver that took no part in the
+    # rounds (LayerInfo.remote): a parameter-server push.
+    remote_payloads = False
+
     def __init__(self, group: dist.ProcessGroup | None = None,
                  compressor: Compressor | None = None, memory: Memory | None = None,
                  warmup_steps: int = 0):
@@ -124,7 +128,7 @@ class AllReduce(SyncStrategy):
         compressor = self._dense if dense else self.compressor
         compensated = self.memory.compensate(grad, name, params)
         info = LayerInfo(shapes=shapes, agree=self._agree, step=step, density=self.warmup_density(step),
-                         world_size=self.world_size)
+                         world_size=self.world_size, remote=self.remote_payloads)
         payload, ctx = compressor.compress(compensated, name, info)
         while compressor.more_rounds(ctx):   # PowerSGD's P: summed now, the last round below
             payload, ctx = compressor.next_round([self._agree(t) for t in payload], ctx)

@@ -74,8 +74,9 @@ def build_hybrid_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.C
 
     def make_engine(part: nn.Module, group: dist.ProcessGroup) -> Engine:
         part_compressor, part_memory = build_compression(config, dist.get_world_size(group))
+        # ``group`` is exactly the workers of ``part``'s layers, and the engine's own: PowerSGD agrees over it.
         return worker_engine(job, ctx.rank, part, optimizer_class, hyper, schedule, part_compressor, part_memory,
-                             config.warmup(), timeline)
+                             config.warmup(), timeline, group)
 
     return HybridParallel(model, roles, ctx.rank, input_shape, make_engine, config.split_at,
                           sub_batches=config.sub_batches, servers=settings.servers)
