@@ -24,7 +24,7 @@ def _namespaces() -> set[str]:
 def test_rates_parse_like_tc_and_bad_topologies_are_refused():
     assert parse_rate("100mbit") == 100e6 and parse_rate("1gbit") == 1e9 and parse_rate("500kbit") == 500e3
     for bad in ("fast", "0mbit", "-1gbit", ""):
-        with pytest.raises(UsageError, match="bad link rate"):
+        with pytest.raises(UsageError, match="link rate"):
             parse_rate(bad)
     with pytest.raises(UsageError, match="must divide"):
         Topology(hosts=3, host_rate=1e6, racks=2, inter_rack_rate=1e6)

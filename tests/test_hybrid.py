@@ -138,7 +138,7 @@ HYBRID = ["train", "--parallel", "hybrid", "--no-progress", "--steps", "10"]
 
 @pytest.mark.parametrize("args,expected", [
     (["--conv-workers", "3", "--fc-workers", "2", "--nproc", "5"], "must be divisible by --fc-workers"),
-    (["--conv-workers", "2", "--fc-workers", "1", "--nproc", "4"], "must equal --nproc (4)"),
+    (["--conv-workers", "2", "--fc-workers", "1", "--nproc", "4"], "but the job has 4 processes"),
     (["--conv-workers", "2", "--fc-workers", "1", "--nproc", "3", "--model", "hybrid_models:mlp"],
      "no conv/FC boundary"),
     (["--conv-workers", "2", "--fc-workers", "1", "--nproc", "3", "--split-at", "head"],

@@ -344,8 +344,8 @@ def test_simulate_cli_table_and_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--rate", "0mbit"], "bad link rate"),
-    (["--rate=-5gbit"], "bad link rate"),
+    (["--rate", "0mbit"], "link rate"),
+    (["--rate=-5gbit"], "link rate"),
     (["--strategy", "gossip"], "unknown strategy 'gossip'"),
     (["--cluster", "/nonexistent/cluster.toml"], "does not exist"),
     (["--profile", "/nonexistent/p.json"], "does not exist"),
