@@ -54,6 +54,9 @@ def run_ranks(argv_of: Callable[[int], list[str]], nproc: int, master_addr: str,
                        "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
                        ERROR_FILE_ENV: str(Path(tmp, f"rank{rank}.json")), BIND_STORE_ENV: "1"}
                 env.setdefault("GLOO_SOCKET_IFNAME", interface)
+                # A rank that refuses its input exits at once; c10d's warnings from the
+                # others (a store connection reset) must not bury the one-line error.
+                env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
                 # Their own process group: a terminal's Ctrl-C reaches the launcher alone,
                 # which then stops every rank; the death signal covers a SIGKILLed launcher.
                 procs.append(subprocess.Popen(argv_of(rank), env=env, process_group=0,
