@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from convoy.checkpoint.format import FormatError
-from convoy.checkpoint.recovery import scan, state_dict_of, valid_steps
+from convoy.checkpoint.recovery import rank_file_tensors, scan, state_dict_of, valid_steps
 from convoy.checkpoint.store import Store
 from convoy.errors import UsageError
 from convoy.utils.atomic import save_atomically
@@ -108,7 +108,7 @@ def _read_part(path: Path, step: int) -> _Part:
     finally:
         store.close()
     writer = path.name[len("model-rank"):-len(".ckpt")]
-    buffers = _buffers(path.parent / f"state-rank{writer}.ckpt", step)
+    buffers = rank_file_tensors(path.parent / f"state-rank{writer}.ckpt", "buffer", step)
     names = record.extra.get("full_names")
     order = record.extra.get("forward_order") or list(states)
     if names:
@@ -132,24 +132,6 @@ def _count_params(params: dict[str, torch.Tensor], layer: str) -> int:
     prefix = "" if layer == "<root>" else layer + "."
     return sum(1 for k in params if k.startswith(prefix) and "." not in k[len(prefix):])
 
-
-def _buffers(path: Path, step: int) -> dict[str, torch.Tensor]:
-    if not path.exists():
-        return {}
-    try:
-        store = Store.open(path)
-    except FormatError:
-        return {}
-    try:
-        report = valid_steps(scan(store)).get(step)
-        if report is None:
-            return {}
-        tensors = store.tensors(report.area, 0)
-        out = {k[len("buffer."):]: v.clone() for k, v in tensors.items() if k.startswith("buffer.")}
-        del tensors
-        return out
-    finally:
-        store.close()
 
 
 def load_initial_state(model: nn.Module, path: str | Path) -> None:

@@ -219,3 +219,25 @@ def state_dict_of(store: Store, area: int) -> tuple[dict[str, torch.Tensor], dic
         states[slot.name] = optimizer_state(tensors, meta.get(slot.name, {}))
         del tensors
     return params, states
+
+
+def rank_file_tensors(path: Path, prefix: str, step: int | None = None) -> dict[str, torch.Tensor]:
+    """Copies of the tensors named ``prefix.*`` (keys without the prefix) in a rank file's
+    valid area of ``step`` (None: the newest); empty when the file, or such an area, is missing."""
+    if not path.exists():
+        return {}
+    try:
+        store = Store.open(path)
+    except FormatError:
+        return {}
+    try:
+        valid = valid_steps(scan(store))
+        report = valid.get(max(valid) if step is None and valid else step)
+        if report is None:
+            return {}
+        tensors = store.tensors(report.area, 0)
+        out = {k[len(prefix) + 1:]: v.clone() for k, v in tensors.items() if k.startswith(prefix + ".")}
+        del tensors   # release the views of the mapping before the store closes
+        return out
+    finally:
+        store.close()

@@ -17,10 +17,8 @@ import torch
 import torch.distributed as dist
 
 from convoy import runtime
-from convoy.checkpoint.format import FormatError
 from convoy.checkpoint.listener import rank_file
-from convoy.checkpoint.recovery import scan, valid_steps
-from convoy.checkpoint.store import Store
+from convoy.checkpoint.recovery import rank_file_tensors
 from convoy.cluster import load_profile_file, parse_weights
 from convoy.cluster.plan import ClusterPlan, clusters_from_tensors, make_plan
 from convoy.cluster.profile import NodeProfile, profile_job
@@ -101,20 +99,4 @@ def _resumed_plan(config: TrainConfig, fresh: ClusterPlan, clusters: int | str) 
 def saved_sync_state(directory: Path, rank: int) -> dict[str, torch.Tensor]:
     """The sync strategy's tensors (without the ``sync.`` prefix) in the newest valid area of
     ``rank``'s own checkpoint file; empty when there is none."""
-    path = rank_file(directory, rank)
-    if not path.exists():
-        return {}
-    try:
-        store = Store.open(path)
-    except FormatError:
-        return {}
-    try:
-        valid = valid_steps(scan(store))
-        if not valid:
-            return {}
-        tensors = store.tensors(valid[max(valid)].area, 0)
-        out = {key[len("sync."):]: value.clone() for key, value in tensors.items() if key.startswith("sync.")}
-        del tensors   # release the views of the mapping
-        return out
-    finally:
-        store.close()
+    return rank_file_tensors(rank_file(directory, rank), "sync")
