@@ -51,6 +51,7 @@ from convoy.checkpoint.format import CommitRecord, FormatError, Layout
 from convoy.checkpoint.snapshot import layer_sources, module_buffers, rank_layout, rank_state
 from convoy.checkpoint.store import AREAS, Store
 from convoy.engine.listeners import Listener
+from convoy.utils.threads import PERSISTER_THREAD_NICE, lower_priority
 
 _POLL_S = (0.001, 0.05)      # first and longest sleep while waiting for a peer's file
 AUTO_PROBE_STEPS = (4, 3)    # auto: steps measured without, then with checkpoints
@@ -300,10 +301,7 @@ class CheckpointListener(Listener):
 
     # --------------------------------------------------------- persister thread
     def _persist_main(self) -> None:
-        try:   # yield the cores to the training threads: checkpoints only need to keep up
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
+        lower_priority(PERSISTER_THREAD_NICE)
         checksums: dict[int, int] = {}
         metas: dict[str, Any] = {}
         updates: dict[str, Any] = {}
