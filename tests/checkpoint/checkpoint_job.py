@@ -1,4 +1,4 @@
-"""A small, deterministic training job for the checkpoint crash tests, and a fork server for it.
+"""A small, deterministic training job for the checkpoint crash tests, a fork server for it, and its client.
 
 LeNet on 128 fixed random images, world of one, batch 16 (8 steps an
 epoch), through the engine and the checkpoint listener, resuming by itself
@@ -6,8 +6,9 @@ when its directory holds a checkpoint. ``reference_trace`` runs the same job
 in-process without checkpoints and records the state after every step.
 
 Starting Python and importing torch costs seconds; a crash test needs dozens
-of runs. ``python tests/checkpoint_job.py serve`` imports everything once and
-then, per line on stdin, forks a fresh training process:
+of runs. ``python tests/checkpoint/checkpoint_job.py serve`` imports everything
+once and then, per line on stdin, forks a fresh training process
+(:class:`ForkServer` is the tests' side of it):
 
     run DIR STEPS KILL DELAY [COMPRESS]  ->  pid PID  (KILL: a faults kill point or "-")
     reap PID                   ->  status STATUS  (os.waitpid's status)
@@ -15,16 +16,19 @@ then, per line on stdin, forks a fresh training process:
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # run as a script: the checkout
 
 from convoy import AllReduce, Engine  # noqa: E402
 from convoy.checkpoint import CheckpointSettings, faults, start_checkpointing  # noqa: E402
+from convoy.checkpoint.recovery import scan, state_dict_of, valid_steps  # noqa: E402
+from convoy.checkpoint.store import Store  # noqa: E402
 from convoy.compress import build_compressor  # noqa: E402
 from convoy.models.lenet import lenet  # noqa: E402  (not convoy.data: it imports scikit-learn)
 
@@ -34,7 +38,8 @@ HYPER = {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4}
 FULL_EVERY = 4   # differential checkpoints (a compressed job): a full snapshot every 4 checkpoints
 
 
-def _job(compress: str = "none"):
+def build_job(compress: str = "none"):
+    """(model, engine, images, labels) of the job, initialised from fixed seeds."""
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(SAMPLES, 1, 32, 32, generator=generator)
@@ -45,7 +50,7 @@ def _job(compress: str = "none"):
     return model, Engine(model, torch.optim.SGD, AllReduce(None, compressor, memory), **HYPER), x, y
 
 
-def _batch(step: int) -> torch.Tensor:
+def batch_indices(step: int) -> torch.Tensor:
     """Sample indices of ``step``: a shuffled order per epoch, like GlobalBatchSampler."""
     epoch, position = divmod(step, STEPS_PER_EPOCH)
     order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(1000 + epoch))
@@ -54,7 +59,7 @@ def _batch(step: int) -> torch.Tensor:
 
 def train(model, engine, x, y, start_step: int, steps: int, after_step=None) -> None:
     for step in range(start_step, steps):
-        index = _batch(step)
+        index = batch_indices(step)
         engine.backward(F.cross_entropy(model(x[index]), y[index]))
         if after_step is not None:
             after_step(step + 1)
@@ -73,7 +78,7 @@ def state_of(model, engine) -> dict[str, torch.Tensor]:
 
 def reference_trace(steps: int, compress: str = "none") -> dict[int, dict[str, torch.Tensor]]:
     """The state after each step count 1..steps of an uninterrupted run."""
-    model, engine, x, y = _job(compress)
+    model, engine, x, y = build_job(compress)
     trace = {}
 
     def record(done: int) -> None:
@@ -87,7 +92,7 @@ def reference_trace(steps: int, compress: str = "none") -> dict[int, dict[str, t
 
 def main(directory: str, steps: int, compress: str = "none") -> int:
     """Train to ``steps`` with checkpoints in ``directory`` (resuming from it); return the start step."""
-    model, engine, x, y = _job(compress)
+    model, engine, x, y = build_job(compress)
     session = start_checkpointing(CheckpointSettings(directory, full_every=FULL_EVERY), model, engine,
                                   torch.optim.SGD, HYPER,
                                   total_steps=steps, steps_per_epoch=STEPS_PER_EPOCH)
@@ -120,6 +125,70 @@ def serve() -> None:
         elif command == "reap":
             _, status = os.waitpid(int(args[0]), 0)
             print(f"status {status}", flush=True)
+
+
+class ForkServer:
+    """A ``serve`` process of this module, and the commands the tests send it."""
+
+    def __init__(self, stderr_path: Path):
+        self._stderr = open(stderr_path, "w")
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "serve"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+                                     text=True, bufsize=1)
+
+    def _ask(self, line: str) -> str:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().split()[1]
+
+    def run(self, directory: Path, steps: int, kill: str = "-", delay: float = 0.0, compress: str = "") -> int:
+        """Fork a run training to ``steps`` in ``directory``; return its pid."""
+        return int(self._ask(f"run {directory} {steps} {kill} {delay} {compress}".rstrip()))
+
+    def reap(self, pid: int) -> int:
+        """Wait for run ``pid``; return os.waitpid's status."""
+        return int(self._ask(f"reap {pid}"))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        self._stderr.close()
+
+
+def recovered(directory: Path):
+    """(step, parameters, optimizer states) of the newest step valid in both files; None before any commit."""
+    model_path, rank_path = directory / "model-rank0.ckpt", directory / "state-rank0.ckpt"
+    if not model_path.exists():
+        return None
+    store = Store.open(model_path)
+    try:
+        reports = scan(store, store.layout.signature())
+        if all(r.empty for r in reports):
+            return None
+        rank_store = Store.open(rank_path)
+        rank_steps = valid_steps(scan(rank_store))
+        rank_store.close()
+        steps = set(valid_steps(reports)) & set(rank_steps)
+        assert steps, [r.describe() for r in reports]
+        step = max(steps)
+        params, states = state_dict_of(store, valid_steps(reports)[step].area)
+        return step, params, states
+    finally:
+        store.close()
+
+
+def assert_matches_trace(result, trace) -> None:
+    """Fail unless ``recovered``'s result equals, bit for bit, the uninterrupted run's state after its step."""
+    step, params, states = result
+    expected = trace[step]
+    for key, tensor in expected.items():
+        kind, name = key.split(":", 1)
+        if kind == "param":
+            got = params[name]
+        else:
+            layer, index = name.rsplit(".", 1)
+            got = states[layer][int(index)]["momentum_buffer"]
+        assert torch.equal(got, tensor), f"step {step}: {key} differs from the uninterrupted run"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """Checkpoint format, corruption handling, export and import, in-process (real files)."""
 from __future__ import annotations
 
-import sys
 import zlib
 from pathlib import Path
 
@@ -18,10 +17,8 @@ from convoy.engine import Engine
 from convoy.errors import UsageError
 from convoy.models.lenet import lenet
 from convoy.sync import AllReduce
-
-sys.path.insert(0, str(Path(__file__).parent))
-import checkpoint_job  # noqa: E402
-from test_checkpoint_crash import assert_matches_trace, recovered  # noqa: E402
+from tests.checkpoint import checkpoint_job
+from tests.checkpoint.checkpoint_job import assert_matches_trace, recovered
 
 STEPS = 12
 

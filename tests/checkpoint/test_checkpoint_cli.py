@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_cli import TIMEOUT_S, _one_line_error, convoy, convoy_in_process
+from tests.helpers import CLI_TIMEOUT_S, convoy, convoy_in_process, importable, one_line_error
 
 # 5 steps an epoch on digits with 2 workers: 12 steps cross two epoch boundaries.
 JOB = ("--nproc", "2", "--batch-size", "128", "--lr-schedule", "constant", "--compress", "fp16",
@@ -83,7 +83,7 @@ def test_a_damaged_checkpoint_stops_the_job_with_exit_2_and_is_left_untouched(re
     for offset in (header + 40, header + (len(data) - header) // 2 + 40):   # both commit records
         data[offset] ^= 0xFF
     path.write_bytes(bytes(data))
-    line = _one_line_error(convoy("train", "--nproc", "1", *JOB[2:], "--steps", "14", "--checkpoint-dir", str(damaged),
+    line = one_line_error(convoy("train", "--nproc", "1", *JOB[2:], "--steps", "14", "--checkpoint-dir", str(damaged),
                                   "--out", str(tmp_path / "r")))
     assert "no usable checkpoint" in line and "nothing was overwritten" in line
     assert path.read_bytes() == bytes(data)
@@ -92,7 +92,7 @@ def test_a_damaged_checkpoint_stops_the_job_with_exit_2_and_is_left_untouched(re
 
 def test_another_models_checkpoint_is_refused_naming_the_layer(resumed_run, tmp_path):
     tmp, _ = resumed_run
-    line = _one_line_error(convoy("train", "--nproc", "1", "--model", "resnet18", "--steps", "2",
+    line = one_line_error(convoy("train", "--nproc", "1", "--model", "resnet18", "--steps", "2",
                                   "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp_path / "r")))
     assert "different model" in line and "layer" in line
 
@@ -105,7 +105,7 @@ def test_a_bad_checkpoint_dir_is_refused_before_training(tmp_path, make, expecte
     directory = tmp_path / "ckpt"
     make(directory)
     target = str(directory) if expected != "cannot be created" else "/proc/convoy-checkpoint"
-    assert expected in _one_line_error(convoy_in_process("train", "--checkpoint-dir", target, "--steps", "2"))
+    assert expected in one_line_error(convoy_in_process("train", "--checkpoint-dir", target, "--steps", "2"))
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -116,11 +116,11 @@ def test_a_bad_checkpoint_dir_is_refused_before_training(tmp_path, make, expecte
     (["--resume"], "--resume/--no-resume needs --checkpoint-dir"),
 ])
 def test_bad_checkpoint_options(args, expected):
-    assert expected in _one_line_error(convoy_in_process("train", *args))
+    assert expected in one_line_error(convoy_in_process("train", *args))
 
 
 def test_resume_with_nothing_to_resume_is_an_error(tmp_path):
-    line = _one_line_error(convoy("train", "--nproc", "1", "--steps", "2", "--resume", "--checkpoint-dir",
+    line = one_line_error(convoy("train", "--nproc", "1", "--steps", "2", "--resume", "--checkpoint-dir",
                                   str(tmp_path / "empty"), "--out", str(tmp_path / "r"), "--no-progress"))
     assert "holds no checkpoint" in line
 
@@ -133,7 +133,7 @@ def test_a_full_disk_is_reported_before_training(tmp_path):
     if mounted.returncode != 0:
         pytest.skip("cannot mount a small tmpfs here")
     try:
-        line = _one_line_error(convoy("train", "--nproc", "1", "--steps", "2", "--checkpoint-dir", str(small),
+        line = one_line_error(convoy("train", "--nproc", "1", "--steps", "2", "--checkpoint-dir", str(small),
                                       "--out", str(tmp_path / "r"), "--no-progress"))
         assert "MB free" in line or "No space left" in line
     finally:
@@ -168,15 +168,14 @@ def test_a_torchrun_restart_resumes_from_the_last_commit_by_itself(resumed_run, 
     """
     whole = resumed_run[0] / "whole"
     (tmp_path / "crashing.py").write_text(textwrap.dedent(CRASHING_MODEL))
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "CRASH_MARKER": str(tmp_path / "crashed"), "GLOO_SOCKET_IFNAME": "lo",
+    env = {**os.environ, **importable(tmp_path), "CRASH_MARKER": str(tmp_path / "crashed"), "GLOO_SOCKET_IFNAME": "lo",
            # torchrun's shared TCP store hands restarted workers stale gloo addresses (pytorch#135712)
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              "--max-restarts", "1", "-m", "convoy", "train", *JOB[2:], "--steps", "12",
                              "--model", "crashing:factory", "--timeout", "30",
                              "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "restarted")],
-                            capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+                            capture_output=True, text=True, env=env, timeout=CLI_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "crashed").exists()
     assert "resumed from" in result.stderr

@@ -1,6 +1,6 @@
 """Differential checkpoints: SIGKILL a compressed job at random moments, recover by replay, bit for bit.
 
-The job (tests/checkpoint_job.py) exchanges block-sparse gradients with error
+The job (tests/checkpoint/checkpoint_job.py) exchanges block-sparse gradients with error
 feedback and checkpoints every step: a full snapshot every 4 checkpoints, the
 averaged sparse update in between. Every trial kills a run inside a log
 record's write, inside a layer of a full snapshot, or at a random time; then
@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -26,11 +25,8 @@ from convoy.checkpoint.difflog import dense, log_path, sparse
 from convoy.checkpoint.recovery import read_updates, replay_updates, restore_model, restore_points, scan, valid_steps
 from convoy.checkpoint.store import Store
 from convoy.models.lenet import lenet
-
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-import checkpoint_job  # noqa: E402
-from test_checkpoint_crash import ForkServer  # noqa: E402
+from tests.checkpoint import checkpoint_job
+from tests.checkpoint.checkpoint_job import ForkServer
 
 STEPS = 24
 TRIALS = 18
@@ -106,7 +102,7 @@ def test_sigkill_with_differential_checkpoints_recovers_a_bit_identical_step(tmp
                 kill = f"slot:{generation + rng.randint(1, 2)}:{rng.randrange(5)}"
             else:
                 kill = "-"
-            pid = int(server._ask(f"run {directory} {STEPS} {kill} {0.002 if kind == 'random' else 0.0} {COMPRESS}"))
+            pid = server.run(directory, STEPS, kill, 0.002 if kind == "random" else 0.0, COMPRESS)
             if kind == "random":
                 time.sleep(rng.uniform(0.0, 0.5))
                 os.kill(pid, signal.SIGKILL)
@@ -133,7 +129,7 @@ def test_sigkill_with_differential_checkpoints_recovers_a_bit_identical_step(tmp
 
 
 def _train_with_checkpoints(directory: Path, start_expected: int | None, until: int, stop: int):
-    model, engine, x, y = checkpoint_job._job(COMPRESS)
+    model, engine, x, y = checkpoint_job.build_job(COMPRESS)
     session = start_checkpointing(CheckpointSettings(str(directory), every=3, full_every=2), model, engine,
                                   torch.optim.SGD, checkpoint_job.HYPER, total_steps=stop,
                                   steps_per_epoch=checkpoint_job.STEPS_PER_EPOCH)

@@ -22,8 +22,7 @@ import pytest
 import torch
 
 from convoy.checkpoint.listener import committed_step
-from test_cli import convoy
-from test_hierarchical import profile_toml
+from tests.helpers import convoy, profile_toml
 
 # A job starts in seconds alone, in minutes on a machine shared with other test runs.
 RUN_TIMEOUT_S = 600

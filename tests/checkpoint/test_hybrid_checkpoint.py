@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_cli import convoy
+from tests.helpers import convoy
+
 
 # 2 conv workers read 128 samples each: 5 steps an epoch, so 12 steps cross two epochs.
 JOB = ("--parallel", "hybrid", "--conv-workers", "2", "--fc-workers", "1", "--nproc", "3",

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from convoy.checkpoint.listener import committed_step
-from test_cli import convoy
+from tests.helpers import convoy
 
 STEPS = 30
 JOB = ("--nproc", "3", "--sync", "ps", "--servers", "1", "--model", "lenet", "--batch-size", "8",

@@ -1,46 +1,16 @@
 """The convoy command as a user runs it: real processes, real files, exit codes."""
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-TIMEOUT_S = 120
-
-
-def convoy(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = TIMEOUT_S):
-    return subprocess.run([sys.executable, "-m", "convoy", *args], capture_output=True, text=True,
-                          cwd=cwd, env={**os.environ, **(env or {})}, timeout=timeout)
-
-
-def convoy_in_process(*args: str) -> subprocess.CompletedProcess:
-    """The convoy command in this process: for input refused before any worker starts,
-    without a fresh interpreter importing torch for every case."""
-    from convoy.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as exc:   # argparse's own errors
-            code = exc.code
-    return subprocess.CompletedProcess(["convoy", *args], code, out.getvalue(), err.getvalue())
-
-
-def _one_line_error(result) -> str:
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    return lines[0]
+from tests.helpers import CLI_TIMEOUT_S, convoy, convoy_in_process, one_line_error
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -60,16 +30,16 @@ def _one_line_error(result) -> str:
     (["--no-such-flag"], "unrecognized arguments"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, expected):
-    assert expected in _one_line_error(convoy_in_process("train", *args))
+    assert expected in one_line_error(convoy_in_process("train", *args))
 
 
 def test_config_file_keys_are_checked_and_flags_override(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("learning_rate = 0.1\n")
-    assert "unknown key 'learning_rate'" in _one_line_error(convoy("train", "--config", str(bad)))
+    assert "unknown key 'learning_rate'" in one_line_error(convoy("train", "--config", str(bad)))
     wrong_type = tmp_path / "type.toml"
     wrong_type.write_text("steps = 'ten'\n")
-    assert "steps must be int" in _one_line_error(convoy("train", "--config", str(wrong_type)))
+    assert "steps must be int" in one_line_error(convoy("train", "--config", str(wrong_type)))
     good = tmp_path / "good.toml"
     good.write_text("steps = 3\nbatch-size = 8\nmodel = 'lenet'\nlr = 1\n")
     out = tmp_path / "run"
@@ -131,9 +101,8 @@ def factory():
 
 
 @pytest.fixture
-def failing_model(tmp_path):
-    (tmp_path / "bomb.py").write_text(textwrap.dedent(FAILING_MODEL))
-    return {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+def failing_model(user_module):
+    return user_module("bomb", textwrap.dedent(FAILING_MODEL))
 
 
 def test_a_failing_worker_stops_the_local_job_quickly(tmp_path, failing_model):
@@ -151,14 +120,14 @@ def test_a_failing_worker_stops_a_torchrun_job(tmp_path, failing_model):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "convoy", "train", "--model", "bomb:factory", "--steps", "50", "--no-progress",
          "--timeout", "30", "--out", str(tmp_path / "r")],
-        capture_output=True, text=True, env={**os.environ, **failing_model}, timeout=TIMEOUT_S)
+        capture_output=True, text=True, env={**os.environ, **failing_model}, timeout=CLI_TIMEOUT_S)
     assert result.returncode != 0
     assert time.monotonic() - start < 90
     assert "rank one exploded" in result.stderr
 
 
 def test_a_missing_data_file_is_reported_by_name(tmp_path):
-    line = _one_line_error(convoy("train", "--dataset", "mnist", "--data-dir", str(tmp_path), "--nproc", "1"))
+    line = one_line_error(convoy("train", "--dataset", "mnist", "--data-dir", str(tmp_path), "--nproc", "1"))
     assert str(tmp_path) in line and "train-images-idx3-ubyte" in line
 
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from convoy.errors import UsageError
 from convoy.train.config import SECTIONS, build_config, config_fields, load_toml
-from tests.test_cli import _one_line_error, convoy_in_process
+from tests.helpers import convoy_in_process, one_line_error
 
 FLAGS = ["--" + f.name.replace("_", "-") for f in config_fields()]
 
@@ -26,7 +26,7 @@ FLAGS = ["--" + f.name.replace("_", "-") for f in config_fields()]
     (["trian"], "did you mean train?"),
 ])
 def test_a_mistyped_flag_or_choice_gets_one_line_naming_the_right_one(args, suggestion):
-    assert _one_line_error(convoy_in_process(*args)).endswith(suggestion)
+    assert one_line_error(convoy_in_process(*args)).endswith(suggestion)
 
 
 @settings(max_examples=40, deadline=None)
@@ -36,7 +36,7 @@ def test_any_one_letter_typo_of_a_flag_is_one_line_and_suggests_only_real_flags(
     typo = flag[:at] + flag[at + 1:]          # one letter dropped
     if typo in FLAGS or any(f.startswith(typo) for f in FLAGS + ["--config", "--help"]):
         return                                # argparse accepts unique prefixes
-    line = _one_line_error(convoy_in_process("train", typo, "1"))
+    line = one_line_error(convoy_in_process("train", typo, "1"))
     suggested = re.search(r"did you mean (\S+)\?$", line)
     assert suggested is None or suggested.group(1) in FLAGS + ["--config", "--help"]
 
@@ -71,7 +71,7 @@ def test_sectioned_and_flat_config_files_are_the_same_settings(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_device_cuda_is_refused_in_one_line_without_a_gpu():
-    assert "--device cuda" in _one_line_error(convoy_in_process("train", "--device", "cuda"))
+    assert "--device cuda" in one_line_error(convoy_in_process("train", "--device", "cuda"))
 
 
 @pytest.mark.timeout(120)

@@ -286,14 +286,14 @@ _COMMANDS = {
 def _run_cli(argv: list[str]) -> tuple[int, str]:
     """``convoy ARGV`` in this process: (exit status, stderr). Anything but a UsageError escapes."""
     from convoy.cli.main import main
-    from convoy.cli.profile_nodes import _check
+    from convoy.cli.profile_nodes import check_options
 
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         try:
             if argv[0] == "profile-nodes":   # dry: the checks before any rank starts
                 args = build_parser().parse_args(argv)
-                _check(args, args.nproc)
+                check_options(args, args.nproc)
                 return 0, err.getvalue()
             return main(argv), err.getvalue()
         except SystemExit as exc:   # argparse's own refusals

@@ -10,20 +10,9 @@ from convoy.cluster import (DEFAULT_WEIGHTS, INDICATORS, ContributionHistory, El
                             cluster_vectors, load_profile_file, make_plan, parse_weights)
 from convoy.cluster.profile import disk_mbps, profile_job
 from convoy.errors import UsageError
+from tests.helpers import indicator_table
 
 FULL = "\n".join(f"{name} = 1" for name in INDICATORS)
-
-
-def profile_toml(slow: tuple[int, ...], disk: object = 400) -> str:
-    """A --node-profile file: every rank fast, the ``slow`` ranks with a slow CPU and uplink."""
-    fast = f"[all]\n{_full(cpu_mhz=3000, memory_gb=16, gpu_mhz=0, gpu_memory_gb=0, disk_mbps=disk, uplink_mbps=1000)}\n"
-    return fast + "".join(f"[ranks.{rank}]\ncpu_mhz = 1200\nuplink_mbps = 50\n" for rank in slow)
-
-
-def _full(**values: object) -> str:
-    """Every indicator = 1, except those given (strings quoted)."""
-    merged = {name: values.get(name, 1) for name in INDICATORS}
-    return "\n".join(f"{name} = {value!r}".replace("'", '"') for name, value in merged.items())
 
 
 def test_normalisation_uses_the_historical_max_average_and_min_on_a_log_scale():
@@ -110,7 +99,7 @@ def test_indicator_weights_parse_and_reject_negative_or_all_zero():
 
 def test_profile_file_layers_all_host_and_rank_tables_and_names_what_is_missing(tmp_path):
     path = tmp_path / "nodes.toml"
-    path.write_text(f"[all]\n{_full(disk_mbps='measure')}\n[hosts.b]\nuplink_mbps = 50\n"
+    path.write_text(f"[all]\n{indicator_table(disk_mbps='measure')}\n[hosts.b]\nuplink_mbps = 50\n"
                     "[ranks.3]\nuplink_mbps = 10\n")
     overrides = load_profile_file(str(path))
     assert overrides.for_rank(0, "a")["uplink_mbps"] == 1.0 and "disk_mbps" not in overrides.for_rank(0, "a")
@@ -131,7 +120,7 @@ def test_profile_file_layers_all_host_and_rank_tables_and_names_what_is_missing(
 def test_a_world_of_one_measures_itself_and_the_file_replaces_measurements(tmp_path):
     assert disk_mbps(str(tmp_path), nbytes=1 << 20) > 0
     path = tmp_path / "nodes.toml"
-    path.write_text(f"[all]\n{_full(cpu_mhz=1234, disk_mbps='measure')}\n")
+    path.write_text(f"[all]\n{indicator_table(cpu_mhz=1234, disk_mbps='measure')}\n")
     (profile,) = profile_job(load_profile_file(str(path)))
     assert profile.cpu_mhz == 1234 and profile.disk_mbps > 0 and "disk_mbps" not in profile.from_file
     plan = make_plan([profile, NodeProfile(1, "x", 1.0, 1.0, 0.0, 0.0, 1.0, 1.0)], DEFAULT_WEIGHTS, "auto")

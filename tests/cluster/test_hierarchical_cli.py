@@ -4,8 +4,7 @@ from __future__ import annotations
 import json
 
 from convoy.cluster import INDICATORS
-from tests.test_cli import convoy
-from tests.test_hierarchical import profile_toml
+from tests.helpers import convoy, profile_toml
 
 LENET_PARAMETERS = 82_826   # on digits (1 channel, 10 classes)
 PROFILE = profile_toml(slow=(1,), disk="measure")

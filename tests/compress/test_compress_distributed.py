@@ -14,25 +14,23 @@ from convoy.engine import Engine
 from convoy.errors import UsageError
 from convoy.sync import AllReduce
 from convoy.train.config import build_config
-from tests.distributed import run_workers
-from tests.test_cli import _one_line_error, convoy, convoy_in_process
-from tests.test_engine import _batches, _flat, _model
+from tests.helpers import convoy, convoy_in_process, digits_batches, flat, one_line_error, run_workers, seeded_model
 
 LR, MOMENTUM = 0.05, 0.9
 
 
 def _train(rank: int, world: int, strategy: AllReduce, steps: int, model_name: str = "lenet"):
     """Parameters, momentum buffers and per-step bytes after ``steps`` steps of SGD with ``strategy``."""
-    model = _model(model_name)
+    model = seeded_model(model_name)
     engine = Engine(model, torch.optim.SGD, strategy, lr=LR, momentum=MOMENTUM, weight_decay=1e-4)
-    for x, y in _batches(world, rank, 8, steps):
+    for x, y in digits_batches(world, rank, 8, steps):
         engine.backward(F.cross_entropy(model(x), y))
     engine.synchronize()
     sent = [engine.stats(s).bytes_sent for s in range(steps)]
     momentum = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1)
                           for opt in engine.optimizers for p in opt.param_groups[0]["params"]])
     engine.close()
-    return _flat(model), momentum, sent
+    return flat(model), momentum, sent
 
 
 def _all_blocks_worker(rank: int, world: int):
@@ -83,7 +81,7 @@ def _sparse_worker(rank: int, world: int):
 
 def test_every_rank_holds_identical_parameters_and_momentum_after_50_sparse_steps():
     results = run_workers(_sparse_worker, 3)
-    start = _flat(_model("lenet"))
+    start = flat(seeded_model("lenet"))
     for name in results[0]:
         params, momentum, sent = results[0][name]
         assert not torch.equal(params, start), name
@@ -102,7 +100,7 @@ def test_every_rank_holds_identical_parameters_and_momentum_after_50_sparse_step
     (["--block-metric", "l3"], "unknown --block-metric 'l3'; choose one of: l1, l2"),
 ])
 def test_bad_compression_options_are_one_line_and_exit_2(args, expected):
-    assert expected in _one_line_error(convoy_in_process("train", "--compress", "blocktopk", *args))
+    assert expected in one_line_error(convoy_in_process("train", "--compress", "blocktopk", *args))
 
 
 @pytest.mark.parametrize("flags,expected", [

@@ -6,15 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from convoy.compress import LayerInfo, MomentumCorrection, PowerSGDCompressor, ResidualMemory
 from convoy.compress.powersgd import orthonormalise
 from convoy.engine import Engine
 from convoy.sync import AllReduce
-from tests.distributed import run_workers
-from tests.test_cli import _one_line_error, convoy, convoy_in_process
-from tests.test_sparse import _bucket, _mlp, _train
+from tests.compress.helpers import one_layer_bucket, small_mlp, train_steps
+from tests.helpers import convoy, convoy_in_process, one_line_error, run_workers
 
 SHAPES = (torch.Size([24, 3, 2, 2]), torch.Size([24]))   # a conv layer: a 24 x 12 matrix and a bias
 
@@ -65,11 +63,11 @@ def test_orthonormalisation_of_a_rank_deficient_p_gives_no_nan():
 
 
 def test_momentum_sgd_exactly_when_every_layer_is_too_small_to_factor():
-    dense, corrected = _mlp(), _mlp()
-    _train(dense, torch.optim.SGD(dense.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4), 8)
+    dense, corrected = small_mlp(), small_mlp()
+    train_steps(dense, torch.optim.SGD(dense.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4), 8)
     memory = MomentumCorrection(0.9, weight_decay=5e-4, masking=False)
     engine = Engine(corrected, torch.optim.SGD, AllReduce(None, PowerSGDCompressor(32), memory), lr=0.1)
-    _train(corrected, engine, 8)
+    train_steps(corrected, engine, 8)
     engine.close()
     for a, b in zip(dense.parameters(), corrected.parameters()):
         assert torch.equal(a, b)
@@ -80,7 +78,7 @@ def _conservation_worker(rank: int, world: int) -> dict:
     torch.manual_seed(rank)
     memory = MomentumCorrection(0.9, masking=False)
     strategy = AllReduce(dist.new_group(), PowerSGDCompressor(2), memory)
-    bucket = _bucket((24, 3, 2, 2), (24,))
+    bucket = one_layer_bucket((24, 3, 2, 2), (24,))
     applied, velocity, velocities = torch.zeros(312), torch.zeros(312), torch.zeros(312)
     for _ in range(10):
         gradient = torch.randn(312)
@@ -119,7 +117,7 @@ def test_error_feedback_with_momentum_correction_conserves_the_velocities_over_t
 def _shared_basis_worker(rank: int, world: int) -> torch.Tensor:
     left = torch.randn(24, 2, generator=torch.Generator().manual_seed(0))   # the same column space
     strategy = AllReduce(dist.new_group(), PowerSGDCompressor(2), ResidualMemory())
-    bucket = _bucket((24, 3, 2, 2), (24,))
+    bucket = one_layer_bucket((24, 3, 2, 2), (24,))
     bucket.flat_grad().copy_(_low_rank_gradient(2, seed=10 + rank, left=left))
     return strategy.start(bucket, bucket.flat_grad()).wait()
 
@@ -161,7 +159,7 @@ def test_a_resumed_powersgd_run_is_bit_identical(tmp_path):
 
 def test_the_strategy_state_holds_q_residuals_and_velocities():
     strategy = AllReduce(None, PowerSGDCompressor(2), MomentumCorrection(0.9, masking=False))
-    bucket = _bucket((24, 3, 2, 2), (24,))
+    bucket = one_layer_bucket((24, 3, 2, 2), (24,))
     bucket.flat_grad().copy_(torch.randn(312))
     strategy.start(bucket, bucket.flat_grad()).wait()
     state = strategy.state_tensors()
@@ -178,7 +176,7 @@ def test_the_strategy_state_holds_q_residuals_and_velocities():
                                              ("1.5", "--powersgd-rank: invalid int value"),
                                              ("two", "--powersgd-rank: invalid int value")])
 def test_a_bad_powersgd_rank_is_one_line_and_exit_2(value, expected):
-    assert expected in _one_line_error(convoy_in_process("train", "--compress", "powersgd",
+    assert expected in one_line_error(convoy_in_process("train", "--compress", "powersgd",
                                                          f"--powersgd-rank={value}"))
 
 

@@ -3,22 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from convoy.compress import BlockTopKCompressor, MomentumCorrection, ResidualMemory, TopKCompressor
 from convoy.compress.blocks import BlockLayout
 from convoy.engine import Engine
-from convoy.engine.layers import Bucket, Layer
 from convoy.sync import AllReduce
-from tests.test_cli import _one_line_error, convoy_in_process
-
-
-def _bucket(*shapes: tuple[int, ...]) -> Bucket:
-    params = [nn.Parameter(torch.zeros(s)) for s in shapes]
-    bucket = Bucket(0, [Layer(0, "layer", nn.Module(), params)])
-    bucket.attach_grads()
-    return bucket
+from tests.compress.helpers import one_layer_bucket, small_mlp, train_steps
+from tests.helpers import convoy_in_process, one_line_error
 
 
 def test_error_feedback_on_the_velocity_conserves_it_exactly():
@@ -27,7 +18,7 @@ def test_error_feedback_on_the_velocity_conserves_it_exactly():
     m = 0.9
     memory = MomentumCorrection(m)
     strategy = AllReduce(None, BlockTopKCompressor(fraction=0.1, block_size=8), memory)
-    bucket = _bucket((16, 20), (16,))
+    bucket = one_layer_bucket((16, 20), (16,))
     velocity = torch.zeros(336)
     for _ in range(12):
         gradient = torch.randn(336)
@@ -42,32 +33,13 @@ def test_error_feedback_on_the_velocity_conserves_it_exactly():
         assert torch.equal(memory.velocities["0"], velocity)
 
 
-def _train(model: nn.Module, engine_or_optimizer, steps: int, seed: int = 1) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x, y = torch.randn(8, 12, generator=generator), torch.randint(0, 4, (8,), generator=generator)
-        loss = F.cross_entropy(model(x), y)
-        if isinstance(engine_or_optimizer, Engine):
-            engine_or_optimizer.backward(loss)
-            engine_or_optimizer.synchronize()
-        else:
-            engine_or_optimizer.zero_grad()
-            loss.backward()
-            engine_or_optimizer.step()
-
-
-def _mlp() -> nn.Module:
-    torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 4))
-
-
 @pytest.mark.parametrize("compressor", [BlockTopKCompressor(fraction=1.0, block_size=7), TopKCompressor(1.0)])
 def test_sending_everything_with_momentum_correction_is_momentum_sgd_exactly(compressor):
-    dense, corrected = _mlp(), _mlp()
-    _train(dense, torch.optim.SGD(dense.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4), 8)
+    dense, corrected = small_mlp(), small_mlp()
+    train_steps(dense, torch.optim.SGD(dense.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4), 8)
     memory = MomentumCorrection(0.9, weight_decay=5e-4)
     engine = Engine(corrected, torch.optim.SGD, AllReduce(None, compressor, memory, warmup_steps=3), lr=0.1)
-    _train(corrected, engine, 8)
+    train_steps(corrected, engine, 8)
     engine.close()
     for a, b in zip(dense.parameters(), corrected.parameters()):
         assert torch.equal(a, b)
@@ -78,7 +50,7 @@ def test_the_warmup_ramps_density_from_a_quarter_down_to_the_target():
     densities = [strategy.warmup_density(step) for step in range(6)]
     assert densities[0] == 0.25 and densities[4:] == [None, None]
     assert all(a > b > 0.01 for a, b in zip(densities[:3], densities[1:4]))
-    bucket = _bucket((400,))
+    bucket = one_layer_bucket((400,))
     bucket.flat_grad().copy_(torch.randn(400))
     sent = [int((strategy.start(bucket, bucket.flat_grad()).wait() != 0).sum()) for _ in range(6)]
     assert sent == [100, 44, 20, 8, 4, 4]           # 25 blocks of 4, then ramping to 1 block
@@ -99,7 +71,7 @@ def test_a_gradient_spike_cannot_leave_in_one_burst():
     m, clip = 0.9, 1.0
     memory = MomentumCorrection(m, clip_norm=clip)
     strategy = AllReduce(None, BlockTopKCompressor(fraction=0.05, block_size=5), memory)
-    bucket = _bucket((20, 50))
+    bucket = one_layer_bucket((20, 50))
     for step in range(40):
         spike = 1000.0 if 10 <= step < 14 else 1.0
         bucket.flat_grad().copy_(torch.randn(1000) * spike)
@@ -122,4 +94,4 @@ def test_sparse_sgd_with_momentum_trains_with_momentum_correction_by_default():
 
 @pytest.mark.parametrize("value", ["0", "-3"])
 def test_a_block_size_below_one_is_one_line_and_exit_2(value):
-    assert "--block-size must be >= 1" in _one_line_error(convoy_in_process("train", "--block-size", value))
+    assert "--block-size must be >= 1" in one_line_error(convoy_in_process("train", "--block-size", value))

@@ -10,7 +10,7 @@ import convoy
 from convoy.data import GlobalBatchSampler, build_dataset, iterate_batches
 from convoy.errors import UsageError
 from convoy.models import build_model
-from tests.distributed import run_workers
+from tests.helpers import run_workers
 
 
 def _train(rank: int, world: int, hook: tuple | None, steps: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ import pytest
 
 from convoy.emulation import EmulatedCluster, Topology, leftover_namespaces, parse_rate
 from convoy.errors import UsageError
-from tests.test_cli import convoy
+from tests.helpers import convoy
 
 needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                                  reason="network namespaces need root and iproute2")

@@ -7,67 +7,44 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from convoy.data import GlobalBatchSampler, build_dataset, iterate_batches
 from convoy.engine import Engine, EngineError, Listener
-from convoy.models import build_model
 from convoy.sync import AllReduce
 from convoy.sync.base import SyncStrategy
-from tests.distributed import run_workers
+from tests.helpers import digits_batches, flat, run_workers, seeded_model
 
 STEPS = 8
 LR, MOMENTUM, WD = 0.05, 0.9, 1e-4
 
 
-def _model(name: str) -> nn.Module:
-    torch.manual_seed(0)
-    return build_model(name, in_channels=1, num_classes=10)
-
-
-def _batches(world: int, rank: int, batch: int, steps: int):
-    """This rank's share of the first ``steps`` global batches of digits."""
-    data = build_dataset("digits")
-    sampler = GlobalBatchSampler(len(data.train), batch, world, rank, seed=3)
-    out, epoch = [], 0
-    while len(out) < steps:
-        sampler.set_epoch(epoch)
-        out += list(iterate_batches(data.train, sampler))[: steps - len(out)]
-        epoch += 1
-    return out
-
-
-def _flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
 def _engine_and_ddp_worker(rank: int, world: int, name: str, batch: int):
-    batches = _batches(world, rank, batch, STEPS)
-    model = _model(name)
+    batches = digits_batches(world, rank, batch, STEPS)
+    model = seeded_model(name)
     engine = Engine(model, torch.optim.SGD, AllReduce(dist.new_group()),
                     lr=LR, momentum=MOMENTUM, weight_decay=WD)
     per_step = []
     for x, y in batches:
         engine.backward(F.cross_entropy(model(x), y))
         engine.synchronize()
-        per_step.append(_flat(model))
+        per_step.append(flat(model))
     engine.close()
 
-    ddp_model = nn.parallel.DistributedDataParallel(_model(name))
+    ddp_model = nn.parallel.DistributedDataParallel(seeded_model(name))
     opt = torch.optim.SGD(ddp_model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
     for x, y in batches:
         opt.zero_grad()
         F.cross_entropy(ddp_model(x), y).backward()
         opt.step()
-    return per_step, _flat(ddp_model.module)
+    return per_step, flat(ddp_model.module)
 
 
 def _single_process_reference(name: str, batch: int) -> torch.Tensor:
-    model = _model(name)
+    model = seeded_model(name)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
-    for x, y in _batches(1, 0, batch, STEPS):
+    for x, y in digits_batches(1, 0, batch, STEPS):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-    return _flat(model)
+    return flat(model)
 
 
 @pytest.mark.parametrize("world,name", [(2, "vgg_fc"), (3, "lenet"), (4, "lenet")])
@@ -97,10 +74,10 @@ class _Recorder(Listener):
 
 
 def test_listeners_see_every_layer_in_reverse_forward_order_then_the_step_end():
-    model = _model("lenet")
+    model = seeded_model("lenet")
     recorder = _Recorder()
     engine = Engine(model, torch.optim.SGD, AllReduce(), listeners=[recorder], lr=0.1)
-    for x, y in _batches(1, 0, 8, 3):
+    for x, y in digits_batches(1, 0, 8, 3):
         engine.backward(F.cross_entropy(model(x), y))
     engine.close()
     layers = list(range(len(engine.layers)))[::-1]
@@ -142,18 +119,18 @@ class _Failing(SyncStrategy):
 
 
 def test_a_failing_exchange_raises_in_the_main_thread():
-    model = _model("lenet")
+    model = seeded_model("lenet")
     engine = Engine(model, torch.optim.SGD, _Failing(), lr=0.1)
-    x, y = _batches(1, 0, 4, 1)[0]
+    x, y = digits_batches(1, 0, 4, 1)[0]
     engine.backward(F.cross_entropy(model(x), y))
     with pytest.raises(EngineError, match="link down"):
         model(x)
 
 
 def test_lr_lambda_scales_every_layer_and_bad_arguments_are_rejected():
-    model = _model("lenet")
+    model = seeded_model("lenet")
     engine = Engine(model, torch.optim.SGD, AllReduce(), lr=0.1, lr_lambda=lambda s: 0.5 ** s)
-    for x, y in _batches(1, 0, 4, 3):
+    for x, y in digits_batches(1, 0, 4, 3):
         engine.backward(F.cross_entropy(model(x), y))
     engine.synchronize()
     assert {g["lr"] for opt in engine.optimizers for g in opt.param_groups} == {0.1 * 0.25}

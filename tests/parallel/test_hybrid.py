@@ -1,6 +1,8 @@
 """Hybrid parallelism: conv group + FC group + link equals one process on the union batch."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,8 +12,7 @@ from convoy.engine import Engine
 from convoy.errors import UsageError
 from convoy.parallel import HybridParallel, HybridRoles
 from convoy.sync import AllReduce
-from tests.distributed import run_workers
-from tests.test_engine import _batches, _model
+from tests.helpers import convoy, digits, digits_batches, one_line_error, run_workers, seeded_model
 
 STEPS = 6
 LR, MOMENTUM = 0.05, 0.9
@@ -24,7 +25,7 @@ def _sequential_cnn() -> nn.Module:
 
 
 def _build(name: str) -> nn.Module:
-    return _sequential_cnn() if name == "sequential" else _model(name)
+    return _sequential_cnn() if name == "sequential" else seeded_model(name)
 
 
 def _hybrid_worker(rank: int, world: int, conv: int, fc: int, name: str, batch: int, sub_batches: int):
@@ -32,7 +33,7 @@ def _hybrid_worker(rank: int, world: int, conv: int, fc: int, name: str, batch: 
     layout = HybridParallel(_build(name), roles, rank, (1, 32, 32),
                             lambda part, group: Engine(part, torch.optim.SGD, AllReduce(group),
                                                        lr=LR, momentum=MOMENTUM), sub_batches=sub_batches)
-    batches = _batches(conv, layout.data_rank, batch, STEPS)
+    batches = digits_batches(conv, layout.data_rank, batch, STEPS)
     per_step = []
     for x, y in batches:
         layout.train_step(x, y)
@@ -45,14 +46,13 @@ def _hybrid_worker(rank: int, world: int, conv: int, fc: int, name: str, batch: 
 
 
 def _test_set():
-    from convoy.data import build_dataset
-    return build_dataset("digits").test
+    return digits().test
 
 
 def _reference(name: str, union_batch: int) -> nn.Module:
     model = _build(name)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    for x, y in _batches(1, 0, union_batch, STEPS):
+    for x, y in digits_batches(1, 0, union_batch, STEPS):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -127,10 +127,8 @@ def mlp():
 
 
 @pytest.fixture
-def user_models(tmp_path):
-    import os
-    (tmp_path / "hybrid_models.py").write_text(MODELS)
-    return {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+def user_models(user_module):
+    return user_module("hybrid_models", MODELS)
 
 
 HYBRID = ["train", "--parallel", "hybrid", "--no-progress", "--steps", "10"]
@@ -145,16 +143,10 @@ HYBRID = ["train", "--parallel", "hybrid", "--no-progress", "--steps", "10"]
      "--split-at 'head' names no module"),
 ])
 def test_bad_hybrid_input_is_one_line_and_exit_2(args, expected, user_models):
-    from tests.test_cli import _one_line_error, convoy
-
-    assert expected in _one_line_error(convoy(*HYBRID, *args, env=user_models))
+    assert expected in one_line_error(convoy(*HYBRID, *args, env=user_models))
 
 
 def test_an_fc_worker_crash_stops_the_conv_workers(tmp_path, user_models):
-    import time
-
-    from tests.test_cli import convoy
-
     start = time.monotonic()
     result = convoy(*HYBRID, "--conv-workers", "2", "--fc-workers", "1", "--nproc", "3",
                     "--model", "hybrid_models:head_bomb", "--out", str(tmp_path), env=user_models)

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from test_cli import convoy
-from test_hierarchical import profile_toml
+from tests.helpers import convoy, profile_toml
+
 
 # A job starts in seconds alone, in minutes on a machine shared with other test runs.
 RUN_TIMEOUT_S = 600

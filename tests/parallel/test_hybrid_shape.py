@@ -7,7 +7,7 @@ import pytest
 
 from convoy.errors import UsageError
 from convoy.parallel.shape import JobShape
-from test_cli import convoy_in_process
+from tests.helpers import convoy_in_process
 
 
 def test_data_parallel_ps_and_hybrid_shapes():

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_cli import convoy
+from tests.helpers import convoy
+
 
 JOB = ("--parallel", "hybrid", "--conv-workers", "2", "--fc-workers", "1", "--model", "lenet", "--batch-size", "8",
        "--steps", "8", "--sub-batches", "2", "--no-progress")

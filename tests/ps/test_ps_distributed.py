@@ -2,7 +2,6 @@
 the Chrome trace, and a dead server. One spawn of 4 processes serves most assertions."""
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
@@ -23,8 +22,7 @@ from convoy.ps import PSSettings
 from convoy.ps.scheduler import SliceScheduler, Transfer
 from convoy.ps.wire import HEADER_BYTES, HEADER_TAG, payload_tag
 from convoy.sync import AllReduce
-from tests.distributed import free_port, run_workers
-from tests.test_engine import _model
+from tests.helpers import digits_batches, flat, free_port, run_workers, seeded_model
 
 WORLD, STEPS, BATCH = 4, 20, 4
 LR, MOMENTUM, WD = 0.05, 0.9, 1e-4
@@ -37,26 +35,9 @@ TRACED = (2, "graph")
 SLICE = 16 * 1024   # scheduler test: bytes per slice, and the credit window
 
 
-@functools.lru_cache(maxsize=None)
 def _batches(world: int, rank: int) -> list:
-    """This worker's share of the first STEPS global batches of digits (built once per process)."""
-    from convoy.data import GlobalBatchSampler, iterate_batches
-
-    data = _digits()
-    sampler = GlobalBatchSampler(len(data.train), BATCH, world, rank, seed=3)
-    sampler.set_epoch(0)
-    return list(iterate_batches(data.train, sampler))[:STEPS]
-
-
-@functools.lru_cache(maxsize=None)
-def _digits():
-    from convoy.data import build_dataset
-
-    return build_dataset("digits")
-
-
-def _flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    """This worker's share of the first STEPS global batches of digits."""
+    return digits_batches(world, rank, BATCH, STEPS)
 
 
 def _sparse():
@@ -67,7 +48,7 @@ def _sparse():
 def _train_ps(rank: int, world: int, servers: int, mode: str, kwargs: dict, trace_dir: str | None,
               compressed: bool = False):
     settings = PSSettings.resolve(servers=servers, priority=mode, trace_steps=2 if trace_dir else 0, **kwargs)
-    model = _model("lenet")
+    model = seeded_model("lenet")
     compressor, memory = _sparse() if compressed else (None, None)
     layout = ParameterServerLayout(model, settings, rank, world, torch.optim.SGD, HYPER, torch.zeros(BATCH, 1, 32, 32),
                                    compressor=compressor, memory=memory)
@@ -93,13 +74,13 @@ def _train_allreduce(rank: int, servers: int, world: int, compressed: bool = Fal
     group = dist.new_group(workers)   # every rank takes part in creating it
     if rank not in workers:
         return None
-    model = _model("lenet")
+    model = seeded_model("lenet")
     engine = Engine(model, torch.optim.SGD, AllReduce(group, *(_sparse() if compressed else ())), **HYPER)
     for x, y in _batches(len(workers), rank - servers):
         engine.backward(F.cross_entropy(model(x), y))
     engine.synchronize()
     engine.close()
-    return _flat(model)
+    return flat(model)
 
 
 def _scheduler_order(rank: int, group) -> list[int]:
@@ -155,7 +136,7 @@ def test_ps_equals_data_parallel_allreduce(job, servers):
     for mode, _ in MODES:
         ps = results[0][(servers, mode)]        # rank 0's full state
         assert (ps - reference).abs().max().item() <= 1e-5, (servers, mode)
-    assert (reference - _flat(_model("lenet"))).abs().max().item() > 1e-3   # it trained
+    assert (reference - flat(seeded_model("lenet"))).abs().max().item() > 1e-3   # it trained
     for worker in range(servers, WORLD):   # each worker pushed and pulled every slice once
         assert all(results[worker][(servers, mode)] is True for mode, _ in MODES)
 

@@ -21,11 +21,10 @@ from convoy.engine import Engine
 from convoy.parallel.ps import ParameterServerLayout
 from convoy.ps import PSSettings
 from convoy.sync import AllReduce
-from tests.distributed import run_workers
-from tests.test_engine import _model
-from tests.test_ps_distributed import BATCH, HYPER, _batches, _flat
+from tests.helpers import digits_batches, flat, run_workers, seeded_model
 
-WORLD, SERVERS, STEPS = 3, 1, 8
+WORLD, SERVERS, STEPS, BATCH = 3, 1, 8, 4
+HYPER = {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
 
 
 def _powersgd():
@@ -34,11 +33,11 @@ def _powersgd():
 
 def _train_ps(rank: int, world: int) -> torch.Tensor | None:
     settings = PSSettings.resolve(servers=SERVERS, priority="graph", slice_kb=16, channels=2)
-    model = _model("lenet")
+    model = seeded_model("lenet")
     compressor, memory = _powersgd()
     layout = ParameterServerLayout(model, settings, rank, world, torch.optim.SGD, HYPER,
                                    torch.zeros(BATCH, 1, 32, 32), compressor=compressor, memory=memory)
-    for x, y in _batches(world - SERVERS, layout.data_rank)[:STEPS]:
+    for x, y in digits_batches(world - SERVERS, layout.data_rank, BATCH, STEPS):
         layout.train_step(x, y)
     layout.engine.synchronize()
     layout.engine.close()
@@ -63,14 +62,14 @@ def _train_allreduce(rank: int, world: int) -> torch.Tensor | None:
     group = dist.new_group(workers)   # every rank takes part in creating it
     if rank not in workers:
         return None
-    model = _model("lenet")
+    model = seeded_model("lenet")
     layers = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
     engine = Engine(model, torch.optim.SGD, _ByLayer(layers, group, *_powersgd()), bucket_bytes=0, **HYPER)
-    for x, y in _batches(len(workers), rank - SERVERS)[:STEPS]:
+    for x, y in digits_batches(len(workers), rank - SERVERS, BATCH, STEPS):
         engine.backward(F.cross_entropy(model(x), y))
     engine.synchronize()
     engine.close()
-    return _flat(model)
+    return flat(model)
 
 
 def _job(rank: int, world: int) -> dict:
@@ -83,7 +82,7 @@ def test_powersgd_pushes_equal_allreduce_with_powersgd():
     ps, reference = results[0]["ps"], results[SERVERS]["allreduce"]
     assert (ps - reference).abs().max().item() <= 1e-6
     assert (results[SERVERS + 1]["allreduce"] - reference).abs().max().item() == 0   # workers agree
-    assert (reference - _flat(_model("lenet"))).abs().max().item() > 1e-3            # it trained
+    assert (reference - flat(seeded_model("lenet"))).abs().max().item() > 1e-3            # it trained
 
 
 @pytest.mark.timeout(600)

@@ -9,9 +9,7 @@ from convoy.cluster import DEFAULT_WEIGHTS, Election, NodeProfile, load_profile_
 from convoy.compress import FP16Compressor, ResidualMemory, TopKCompressor
 from convoy.engine import Engine
 from convoy.sync import AllReduce, Hierarchical
-from tests.distributed import run_workers
-from tests.test_engine import _batches, _flat, _model
-from tests.test_hierarchical import profile_toml
+from tests.helpers import digits_batches, flat, profile_toml, run_workers, seeded_model
 
 STEPS = 20
 LR, MOMENTUM = 0.05, 0.9
@@ -28,22 +26,22 @@ def _plan(sizes_first_alone: bool = False, clusters: int = 2, reelect_every: int
 
 def _train(rank: int, world: int, sync, steps: int, same_data: bool = False, check_every_step: bool = False):
     """Train lenet; return final parameters, per-step metrics and, if asked, every rank's parameters per step."""
-    model = _model("lenet")
+    model = seeded_model("lenet")
     engine = Engine(model, torch.optim.SGD, sync, listeners=sync.listeners(), lr=LR, momentum=MOMENTUM,
                     weight_decay=1e-4)
-    batches = _batches(1, 0, 8, steps) if same_data else _batches(world, rank, 8, steps)
+    batches = digits_batches(1, 0, 8, steps) if same_data else digits_batches(world, rank, 8, steps)
     snapshots = []
     for x, y in batches:
         engine.backward(F.cross_entropy(model(x), y))
         if check_every_step:
             engine.synchronize()
-            everyone = [torch.empty_like(_flat(model)) for _ in range(world)]
-            dist.all_gather(everyone, _flat(model))
+            everyone = [torch.empty_like(flat(model)) for _ in range(world)]
+            dist.all_gather(everyone, flat(model))
             snapshots.append(everyone)
     engine.synchronize()
     metrics = [{**vars(engine.stats(s)), **sync.step_metrics(s)} for s in range(steps)]
     engine.close()
-    return _flat(model), metrics, snapshots
+    return flat(model), metrics, snapshots
 
 
 def _worker(rank: int, world: int, profile_path: str):

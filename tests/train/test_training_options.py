@@ -1,7 +1,6 @@
 """Mixed precision, gradient accumulation, clipping, divergence stops and loggers."""
 from __future__ import annotations
 
-import copy
 import csv
 import math
 import os
@@ -25,7 +24,7 @@ from convoy.sync import AllReduce
 from convoy.train.config import TrainConfig, build_config
 from convoy.train.divergence import DivergenceGuard
 from convoy.train.metrics import MetricsWriter
-from tests.distributed import run_workers
+from tests.helpers import ROOT, run_workers
 
 LR = 0.05
 
@@ -185,7 +184,7 @@ def test_settings_refused_where_they_cannot_be_correct():
 
 @pytest.mark.timeout(120)
 def test_a_diverging_run_stops_with_one_line(tmp_path: Path):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "convoy", "train", "--nproc", "2", "--model", "lenet",
                            "--lr", "1e6", "--steps", "50", "--no-progress", "--out", str(tmp_path / "run")],
                           capture_output=True, text=True, env=env, timeout=110)
