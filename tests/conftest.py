@@ -13,11 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, digits, importable
+from tests.helpers import ROOT, digits, importable, running_test
 
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
-    os.environ.setdefault("PYTHONPYCACHEPREFIX", str(Path(tempfile.gettempdir()) / f"convoy-tests-pycache-{os.getuid()}"))
+    os.environ.setdefault("PYTHONPYCACHEPREFIX", str(Path(tempfile.gettempdir()) / f"convoy-pycache-{os.getuid()}"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    running_test[:] = [item]
+    yield
+    running_test.clear()
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -32,6 +33,16 @@ _PRELOAD = ["torch", "torch.distributed", "torch.nn.functional", "convoy", "conv
             "convoy.sync", "convoy.compress", "convoy.parallel"]
 _FORKSERVER = multiprocessing.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(_PRELOAD)
+
+# The test being run (set by conftest's pytest_runtest_protocol): helpers that start processes
+# check that it carries a timeout, so a hung collective fails that test, soon.
+running_test: list[pytest.Item] = []
+
+
+def require_timeout(what: str) -> None:
+    """Fail the running test unless it is marked ``@pytest.mark.timeout(N)``: it ``what``."""
+    if running_test and running_test[0].get_closest_marker("timeout") is None:
+        pytest.fail(f"{running_test[0].nodeid} {what}: mark it @pytest.mark.timeout(seconds)", pytrace=False)
 
 
 # ------------------------------------------------------------------ worlds of processes
@@ -64,6 +75,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any
     """
     import torch.multiprocessing as mp
 
+    require_timeout("starts a world of processes")
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_rank_entry, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size,
                            join=True, start_method="forkserver")
@@ -74,22 +86,50 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any
 def convoy(*args: str, cwd: Path | None = None, env: dict | None = None,
            timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
     """``python -m convoy ARGS`` in a new process, as a user runs it: exit status, stdout and stderr."""
+    require_timeout("runs the convoy command in a new process")
     return subprocess.run([sys.executable, "-m", "convoy", *args], capture_output=True, text=True,
                           cwd=cwd, env={**os.environ, **(env or {})}, timeout=timeout)
 
 
 def convoy_in_process(*args: str) -> subprocess.CompletedProcess:
-    """The convoy command in this process: for input refused before any worker starts,
-    without a fresh interpreter importing torch for every case."""
+    """The convoy command with this process as its launcher: exit status, stdout and stderr.
+
+    What ``convoy`` itself prints and what the worker processes it starts print (through
+    file descriptors 1 and 2) are both captured. It saves the fresh interpreter that importing
+    torch costs; tests of the launcher process itself (signals, exit statuses) use :func:`convoy`.
+    """
     from convoy.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as exc:   # argparse's own errors
-            code = exc.code
-    return subprocess.CompletedProcess(["convoy", *args], code, out.getvalue(), err.getvalue())
+    with tempfile.TemporaryFile("w+") as out_fd, tempfile.TemporaryFile("w+") as err_fd:
+        with _file_descriptors_to(out_fd, err_fd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:   # argparse's own errors
+                code = exc.code
+        if code == 0 and args[0] in ("train", "profile-nodes") and "--help" not in args:
+            require_timeout("starts convoy's worker processes")
+        out_fd.seek(0)
+        err_fd.seek(0)
+        return subprocess.CompletedProcess(["convoy", *args], code, out_fd.read() + out.getvalue(),
+                                           err_fd.read() + err.getvalue())
+
+
+@contextlib.contextmanager
+def _file_descriptors_to(stdout, stderr):
+    """Point file descriptors 1 and 2 (what child processes inherit) at two files for the block."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        os.dup2(stdout.fileno(), 1)
+        os.dup2(stderr.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
 
 
 def one_line_error(result: subprocess.CompletedProcess) -> str:

@@ -131,6 +131,9 @@ class ForkServer:
     """A ``serve`` process of this module, and the commands the tests send it."""
 
     def __init__(self, stderr_path: Path):
+        from tests.helpers import require_timeout
+
+        require_timeout("starts a fork server")
         self._stderr = open(stderr_path, "w")
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "serve"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,

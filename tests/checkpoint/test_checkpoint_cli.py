@@ -31,24 +31,28 @@ def _same_models(a: Path, b: Path) -> None:
 def resumed_run(tmp_path_factory):
     """An uninterrupted 12-step run, and one stopped after 7 steps then resumed to 12."""
     tmp = tmp_path_factory.mktemp("resume")
-    whole = convoy("train", *JOB, "--steps", "12", "--out", str(tmp / "whole"))
+    whole = convoy_in_process("train", *JOB, "--steps", "12", "--out", str(tmp / "whole"))
     assert whole.returncode == 0, whole.stderr
-    first = convoy("train", *JOB, "--steps", "7", "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "a"))
+    first = convoy_in_process("train", *JOB, "--steps", "7", "--checkpoint-dir", str(tmp / "ckpt"),
+                              "--out", str(tmp / "a"))
     assert first.returncode == 0, first.stderr
-    second = convoy("train", *JOB, "--steps", "12", "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "b"))
+    second = convoy_in_process("train", *JOB, "--steps", "12", "--checkpoint-dir", str(tmp / "ckpt"),
+                               "--out", str(tmp / "b"))
     assert second.returncode == 0, second.stderr
     return tmp, second
 
 
+@pytest.mark.timeout(600)
 def test_two_workers_resume_bit_identically_across_epochs_with_compression_residuals(resumed_run):
     tmp, second = resumed_run
     assert "resumed from" in second.stderr and "at step 7 (epoch 1, batch 2)" in second.stderr
     _same_models(tmp / "whole", tmp / "b")
 
 
+@pytest.mark.timeout(600)
 def test_inspect_lists_both_areas_the_file_system_and_sizes(resumed_run):
     tmp, _ = resumed_run
-    result = convoy("checkpoint", "inspect", str(tmp / "ckpt"))
+    result = convoy_in_process("checkpoint", "inspect", str(tmp / "ckpt"))
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "DAX" in out and "model-rank0.ckpt  model, 5 layers" in out
@@ -56,6 +60,7 @@ def test_inspect_lists_both_areas_the_file_system_and_sizes(resumed_run):
     assert "state-rank0.ckpt" in out and "state-rank1.ckpt" in out and " MB" in out
 
 
+@pytest.mark.timeout(600)
 def test_export_then_init_from_starts_from_the_checkpoint(resumed_run):
     tmp, _ = resumed_run
     out = tmp / "exported.pt"
@@ -65,14 +70,15 @@ def test_export_then_init_from_starts_from_the_checkpoint(resumed_run):
     assert exported["step"] == 12
     for key, value in final["model"].items():
         assert torch.equal(exported["model"][key], value), key
-    run = convoy("train", "--nproc", "1", "--steps", "1", "--lr", "1e-9", "--momentum", "0", "--weight-decay", "0",
-                 "--init-from", str(out), "--out", str(tmp / "init"), "--no-progress")
+    run = convoy_in_process("train", "--nproc", "1", "--steps", "1", "--lr", "1e-9", "--momentum", "0",
+                            "--weight-decay", "0", "--init-from", str(out), "--out", str(tmp / "init"), "--no-progress")
     assert run.returncode == 0, run.stderr
     started = torch.load(tmp / "init" / "model.pt")["model"]
     for key, value in final["model"].items():
         assert torch.allclose(started[key], value, atol=1e-6), key
 
 
+@pytest.mark.timeout(600)
 def test_a_damaged_checkpoint_stops_the_job_with_exit_2_and_is_left_untouched(resumed_run, tmp_path):
     tmp, _ = resumed_run
     damaged = tmp_path / "damaged"
@@ -83,17 +89,18 @@ def test_a_damaged_checkpoint_stops_the_job_with_exit_2_and_is_left_untouched(re
     for offset in (header + 40, header + (len(data) - header) // 2 + 40):   # both commit records
         data[offset] ^= 0xFF
     path.write_bytes(bytes(data))
-    line = one_line_error(convoy("train", "--nproc", "1", *JOB[2:], "--steps", "14", "--checkpoint-dir", str(damaged),
-                                  "--out", str(tmp_path / "r")))
+    line = one_line_error(convoy_in_process("train", "--nproc", "1", *JOB[2:], "--steps", "14",
+                                            "--checkpoint-dir", str(damaged), "--out", str(tmp_path / "r")))
     assert "no usable checkpoint" in line and "nothing was overwritten" in line
     assert path.read_bytes() == bytes(data)
-    assert "damaged" in convoy("checkpoint", "inspect", str(damaged)).stdout
+    assert "damaged" in convoy_in_process("checkpoint", "inspect", str(damaged)).stdout
 
 
+@pytest.mark.timeout(600)
 def test_another_models_checkpoint_is_refused_naming_the_layer(resumed_run, tmp_path):
     tmp, _ = resumed_run
-    line = one_line_error(convoy("train", "--nproc", "1", "--model", "resnet18", "--steps", "2",
-                                  "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp_path / "r")))
+    line = one_line_error(convoy_in_process("train", "--nproc", "1", "--model", "resnet18", "--steps", "2",
+                                            "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp_path / "r")))
     assert "different model" in line and "layer" in line
 
 
@@ -119,12 +126,14 @@ def test_bad_checkpoint_options(args, expected):
     assert expected in one_line_error(convoy_in_process("train", *args))
 
 
+@pytest.mark.timeout(600)
 def test_resume_with_nothing_to_resume_is_an_error(tmp_path):
-    line = one_line_error(convoy("train", "--nproc", "1", "--steps", "2", "--resume", "--checkpoint-dir",
-                                  str(tmp_path / "empty"), "--out", str(tmp_path / "r"), "--no-progress"))
+    line = one_line_error(convoy_in_process("train", "--nproc", "1", "--steps", "2", "--resume", "--checkpoint-dir",
+                                            str(tmp_path / "empty"), "--out", str(tmp_path / "r"), "--no-progress"))
     assert "holds no checkpoint" in line
 
 
+@pytest.mark.timeout(600)
 def test_a_full_disk_is_reported_before_training(tmp_path):
     small = tmp_path / "small"
     small.mkdir()
@@ -133,8 +142,9 @@ def test_a_full_disk_is_reported_before_training(tmp_path):
     if mounted.returncode != 0:
         pytest.skip("cannot mount a small tmpfs here")
     try:
-        line = one_line_error(convoy("train", "--nproc", "1", "--steps", "2", "--checkpoint-dir", str(small),
-                                      "--out", str(tmp_path / "r"), "--no-progress"))
+        line = one_line_error(convoy_in_process("train", "--nproc", "1", "--steps", "2",
+                                                "--checkpoint-dir", str(small), "--out", str(tmp_path / "r"),
+                                                "--no-progress"))
         assert "MB free" in line or "No space left" in line
     finally:
         subprocess.run(["umount", str(small)], check=False)
@@ -161,6 +171,7 @@ def factory():
 """
 
 
+@pytest.mark.timeout(600)
 def test_a_torchrun_restart_resumes_from_the_last_commit_by_itself(resumed_run, tmp_path):
     """Rank 1 dies at step 5; torchrun restarts both workers; the result equals the uninterrupted run.
 

@@ -28,6 +28,7 @@ def trace():
     return checkpoint_job.reference_trace(STEPS)
 
 
+@pytest.mark.timeout(600)
 def test_sigkill_at_random_moments_always_recovers_a_bit_identical_step(tmp_path, trace):
     rng = random.Random(20261122)
     server = ForkServer(tmp_path / "server.err")

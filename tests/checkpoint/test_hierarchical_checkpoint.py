@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from convoy.checkpoint.listener import committed_step
-from tests.helpers import convoy, profile_toml
+from tests.helpers import convoy_in_process, profile_toml
 
 # A job starts in seconds alone, in minutes on a machine shared with other test runs.
 RUN_TIMEOUT_S = 600
-STEPS = 60
+STEPS = 40
 JOB = ("--nproc", "4", "--sync", "hierarchical", "--clusters", "2", "--exchange-every", "2", "--batch-size", "8",
        "--steps", str(STEPS), "--no-progress")
 
@@ -66,8 +66,7 @@ def test_sigkilled_hierarchical_job_resumes_bit_identical(tmp_path):
     other.write_text(profile_toml(slow=(2, 3)))    # would be {0, 1} and {2, 3}
     checkpoints = tmp_path / "ckpt"
 
-    whole = convoy("train", *JOB, "--node-profile", str(first), "--out", str(tmp_path / "whole"),
-                   timeout=RUN_TIMEOUT_S)
+    whole = convoy_in_process("train", *JOB, "--node-profile", str(first), "--out", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr
 
     target = _kill_after_a_random_checkpoint(
@@ -76,8 +75,8 @@ def test_sigkilled_hierarchical_job_resumes_bit_identical(tmp_path):
     # One model file per cluster, written by its first rank.
     assert sorted(p.name for p in checkpoints.glob("model-rank*.ckpt")) == ["model-rank0.ckpt", "model-rank1.ckpt"]
 
-    resumed = convoy("train", *JOB, "--node-profile", str(other), "--checkpoint-dir", str(checkpoints),
-                     "--out", str(tmp_path / "b"), timeout=RUN_TIMEOUT_S)
+    resumed = convoy_in_process("train", *JOB, "--node-profile", str(other), "--checkpoint-dir", str(checkpoints),
+                                "--out", str(tmp_path / "b"))
     assert resumed.returncode == 0, resumed.stderr
     step = int(resumed.stderr.split("resumed from")[1].split("at step ")[1].split()[0])
     assert target <= step < STEPS and step % 2 == 0, resumed.stderr
@@ -92,7 +91,7 @@ def test_sigkilled_hierarchical_job_resumes_bit_identical(tmp_path):
             assert torch.equal(mine["state"][index]["momentum_buffer"], state["momentum_buffer"])
 
     # The last checkpoint is an exchange step: both clusters' files hold the job's model.
-    exported = convoy("checkpoint", "export", str(checkpoints), str(tmp_path / "exported.pt"))
+    exported = convoy_in_process("checkpoint", "export", str(checkpoints), str(tmp_path / "exported.pt"))
     assert exported.returncode == 0, exported.stderr
     model = torch.load(tmp_path / "exported.pt", weights_only=True)["model"]
     for key, value in expected["model"].items():

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import convoy
+from tests.helpers import convoy_in_process
 
 
 # 2 conv workers read 128 samples each: 5 steps an epoch, so 12 steps cross two epochs.
@@ -20,12 +20,13 @@ def hybrid_runs(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("hybrid_resume")
     for steps, extra, out in ((12, (), "whole"), (7, ("--checkpoint-dir", str(tmp / "ckpt")), "a"),
                               (12, ("--checkpoint-dir", str(tmp / "ckpt")), "b")):
-        result = convoy("train", *JOB, "--steps", str(steps), *extra, "--out", str(tmp / out))
+        result = convoy_in_process("train", *JOB, "--steps", str(steps), *extra, "--out", str(tmp / out))
         assert result.returncode == 0, result.stderr
     assert "at step 7 (epoch 1, batch 2)" in result.stderr
     return tmp
 
 
+@pytest.mark.timeout(600)
 def test_each_group_writes_its_own_layers_and_resume_is_bit_identical(hybrid_runs):
     files = sorted(p.name for p in (hybrid_runs / "ckpt").glob("model-rank*.ckpt"))
     assert files == ["model-rank0.ckpt", "model-rank2.ckpt"]   # conv group's writer, FC group's writer
@@ -36,9 +37,10 @@ def test_each_group_writes_its_own_layers_and_resume_is_bit_identical(hybrid_run
         assert torch.equal(resumed[key], value), key
 
 
+@pytest.mark.timeout(600)
 def test_export_puts_the_groups_back_together_under_the_models_names(hybrid_runs):
     out = hybrid_runs / "exported.pt"
-    result = convoy("checkpoint", "export", str(hybrid_runs / "ckpt"), str(out))
+    result = convoy_in_process("checkpoint", "export", str(hybrid_runs / "ckpt"), str(out))
     assert result.returncode == 0, result.stderr
     exported = torch.load(out, weights_only=True)
     final = torch.load(hybrid_runs / "whole" / "model.pt")["model"]

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from convoy.checkpoint.listener import committed_step
-from tests.helpers import convoy
+from tests.helpers import convoy_in_process
 
 STEPS = 30
 JOB = ("--nproc", "3", "--sync", "ps", "--servers", "1", "--model", "lenet", "--batch-size", "8",
@@ -54,13 +54,13 @@ def _kill_after_first_checkpoint(ckpt: Path, out: Path, delay_s: float) -> bool:
 
 @pytest.mark.timeout(900)
 def test_a_killed_ps_run_resumes_bit_identical(tmp_path):
-    whole = convoy("train", *JOB, "--out", str(tmp_path / "whole"))
+    whole = convoy_in_process("train", *JOB, "--out", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr
     delay = random.Random(20261125).uniform(0.0, 1.0)
     assert _kill_after_first_checkpoint(tmp_path / "ckpt", tmp_path / "a", delay), "the run ended before the kill"
     committed = committed_step(tmp_path / "ckpt" / "model-rank0.ckpt")
     assert 1 <= committed < STEPS
-    resumed = convoy("train", *JOB, "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "b"))
+    resumed = convoy_in_process("train", *JOB, "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "b"))
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stderr
     expected, got = (torch.load(tmp_path / run / "model.pt") for run in ("whole", "b"))

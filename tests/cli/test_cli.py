@@ -1,16 +1,19 @@
 """The convoy command as a user runs it: real processes, real files, exit codes."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import CLI_TIMEOUT_S, convoy, convoy_in_process, one_line_error
+from tests.helpers import CLI_TIMEOUT_S, convoy, convoy_in_process, one_line_error, saved_model
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -33,19 +36,19 @@ def test_bad_input_is_one_line_and_exit_2(args, expected):
     assert expected in one_line_error(convoy_in_process("train", *args))
 
 
+@pytest.mark.timeout(300)
 def test_config_file_keys_are_checked_and_flags_override(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("learning_rate = 0.1\n")
-    assert "unknown key 'learning_rate'" in one_line_error(convoy("train", "--config", str(bad)))
+    assert "unknown key 'learning_rate'" in one_line_error(convoy_in_process("train", "--config", str(bad)))
     wrong_type = tmp_path / "type.toml"
     wrong_type.write_text("steps = 'ten'\n")
-    assert "steps must be int" in one_line_error(convoy("train", "--config", str(wrong_type)))
+    assert "steps must be int" in one_line_error(convoy_in_process("train", "--config", str(wrong_type)))
     good = tmp_path / "good.toml"
     good.write_text("steps = 3\nbatch-size = 8\nmodel = 'lenet'\nlr = 1\n")
     out = tmp_path / "run"
-    result = convoy("train", "--config", str(good), "--lr", "0.01", "--out", str(out), "--nproc", "1")
+    result = convoy_in_process("train", "--config", str(good), "--lr", "0.01", "--out", str(out), "--nproc", "1")
     assert result.returncode == 0, result.stderr
-    import json
     saved = json.loads((out / "config.json").read_text())
     assert (saved["steps"], saved["batch_size"], saved["lr"]) == (3, 8, 0.01)
 
@@ -53,26 +56,33 @@ def test_config_file_keys_are_checked_and_flags_override(tmp_path):
 def test_help_documents_every_option():
     from convoy.train.config import config_fields
 
-    result = convoy("train", "--help")
+    result = convoy_in_process("train", "--help")
     assert result.returncode == 0
     for field in config_fields():
         assert "--" + field.name.replace("_", "-") in result.stdout
     assert "torchrun" in result.stdout
 
 
-def test_train_writes_a_run_folder_and_is_bit_reproducible(tmp_path):
-    runs = []
-    for name in ("a", "b"):
-        out = tmp_path / name
-        result = convoy("train", "--steps", "12", "--eval-every", "5", "--out", str(out), "--no-progress")
+@pytest.fixture(scope="module")
+def twice_trained(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """The same 12-step job run twice: by the convoy command in a new process, and with this process as launcher."""
+    tmp = tmp_path_factory.mktemp("twice")
+    job = ("train", "--steps", "12", "--eval-every", "5", "--no-progress")
+    return tmp, {"a": convoy(*job, "--out", str(tmp / "a")), "b": convoy_in_process(*job, "--out", str(tmp / "b"))}
+
+
+@pytest.mark.timeout(300)
+def test_train_writes_a_run_folder_and_is_bit_reproducible(twice_trained):
+    tmp, results = twice_trained
+    for result in results.values():
         assert result.returncode == 0, result.stderr
         summary = result.stdout.strip().splitlines()[-1]
         assert summary.startswith("convoy: 12 steps in") and "test accuracy" in summary
         assert "MB sent per worker" in summary
-        runs.append(torch.load(out / "model.pt")["model"])
+    runs = [saved_model(tmp / name) for name in results]
     for key in runs[0]:
         assert torch.equal(runs[0][key], runs[1][key]), key
-    records = [line for line in (tmp_path / "a" / "metrics-rank1.jsonl").read_text().splitlines()]
+    records = [line for line in (tmp / "a" / "metrics-rank1.jsonl").read_text().splitlines()]
     assert sum('"kind": "step"' in r for r in records) == 12
     assert sum('"kind": "eval"' in r for r in records) == 3  # steps 5, 10 and the end
 
@@ -105,6 +115,7 @@ def failing_model(user_module):
     return user_module("bomb", textwrap.dedent(FAILING_MODEL))
 
 
+@pytest.mark.timeout(300)
 def test_a_failing_worker_stops_the_local_job_quickly(tmp_path, failing_model):
     start = time.monotonic()
     result = convoy("train", "--model", "bomb:factory", "--steps", "50", "--out", str(tmp_path / "r"),
@@ -114,6 +125,7 @@ def test_a_failing_worker_stops_the_local_job_quickly(tmp_path, failing_model):
     assert "rank 1: RuntimeError: rank one exploded" in result.stderr
 
 
+@pytest.mark.timeout(300)
 def test_a_failing_worker_stops_a_torchrun_job(tmp_path, failing_model):
     start = time.monotonic()
     result = subprocess.run(
@@ -126,14 +138,16 @@ def test_a_failing_worker_stops_a_torchrun_job(tmp_path, failing_model):
     assert "rank one exploded" in result.stderr
 
 
+@pytest.mark.timeout(300)
 def test_a_missing_data_file_is_reported_by_name(tmp_path):
     line = one_line_error(convoy("train", "--dataset", "mnist", "--data-dir", str(tmp_path), "--nproc", "1"))
     assert str(tmp_path) in line and "train-images-idx3-ubyte" in line
 
 
-def test_plot_writes_pngs_from_a_real_run(tmp_path):
+@pytest.mark.timeout(300)
+def test_plot_writes_pngs_from_a_real_run(twice_trained, tmp_path):
     out = tmp_path / "run"
-    assert convoy("train", "--steps", "6", "--out", str(out), "--no-progress").returncode == 0
+    shutil.copytree(twice_trained[0] / "a", out)
     result = convoy("plot", str(out))
     assert result.returncode == 0, result.stderr
     for name in ("loss.png", "accuracy.png", "bytes.png", "step_time.png"):

@@ -25,6 +25,7 @@ from convoy.cli.train import config_from_args
 from convoy.errors import UsageError, one_line
 from convoy.train.config import config_fields
 from convoy.utils.atomic import save_atomically
+from tests.helpers import convoy_in_process, saved_model
 
 
 def validate(argv: list[str]) -> tuple[int, str]:
@@ -189,9 +190,19 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_one_step_in_one_line(tmp
 _LENET = ["--nproc", "2", "--model", "lenet", "--steps", "240", "--no-progress"]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_lenet(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The parameters after an uninterrupted run of the job the stop tests interrupt."""
+    run = tmp_path_factory.mktemp("uninterrupted")
+    reference = convoy_in_process("train", *_LENET, "--out", str(run))
+    assert reference.returncode == 0, reference.stderr
+    return saved_model(run)
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("seed", [0, 1])
-def test_sigterm_to_a_rank_commits_the_stop_step_and_the_resumed_run_is_bit_identical(tmp_path, seed):
+@pytest.mark.parametrize("seed", [0, 1])   # rank 1 receives the signal at step 113; rank 0 at step 22
+def test_sigterm_to_a_rank_commits_the_stop_step_and_the_resumed_run_is_bit_identical(tmp_path, seed,
+                                                                                      uninterrupted_lenet):
     """Checkpoints every 1000 steps: the only commit is the one the stop forces, at the step every rank
     stopped after; resuming from it ends where an uninterrupted run ends, bit for bit."""
     rng = random.Random(seed)
@@ -205,15 +216,11 @@ def test_sigterm_to_a_rank_commits_the_stop_step_and_the_resumed_run_is_bit_iden
     stopped = re.fullmatch(r"convoy: stopped by SIGTERM to rank [01] at step (\d+); checkpoint committed at step "
                            r"(\d+); resume with the same command", stderr.strip())
     assert stopped and stopped[1] == stopped[2], stderr
-    resumed = subprocess.run([sys.executable, "-m", "convoy", "train", *_LENET, *ckpt, "--out", str(tmp_path / "a")],
-                             capture_output=True, text=True, timeout=240)
+    resumed = convoy_in_process("train", *_LENET, *ckpt, "--out", str(tmp_path / "a"))
     assert resumed.returncode == 0, resumed.stderr
     assert f"at step {stopped[1]} (epoch" in resumed.stderr   # the stop step, not an earlier commit
-    reference = subprocess.run([sys.executable, "-m", "convoy", "train", *_LENET, "--out", str(tmp_path / "b")],
-                               capture_output=True, text=True, timeout=240)
-    assert reference.returncode == 0, reference.stderr
-    mine, theirs = (torch.load(tmp_path / run / "model.pt")["model"] for run in ("a", "b"))
-    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    mine = saved_model(tmp_path / "a")
+    assert all(torch.equal(mine[k], uninterrupted_lenet[k]) for k in uninterrupted_lenet)
 
 
 def test_the_stop_agreement_names_the_ranks_that_received_the_signal():

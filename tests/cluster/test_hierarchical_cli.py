@@ -3,17 +3,20 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from convoy.cluster import INDICATORS
-from tests.helpers import convoy, profile_toml
+from tests.helpers import convoy_in_process, profile_toml
 
 LENET_PARAMETERS = 82_826   # on digits (1 channel, 10 classes)
 PROFILE = profile_toml(slow=(1,), disk="measure")
 
 
+@pytest.mark.timeout(300)
 def test_profile_nodes_json_and_a_hierarchical_compressed_run(tmp_path):
     profile = tmp_path / "nodes.toml"
     profile.write_text(PROFILE)
-    result = convoy("profile-nodes", "--nproc", "2", "--node-profile", str(profile), "--json")
+    result = convoy_in_process("profile-nodes", "--nproc", "2", "--node-profile", str(profile), "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["clusters"] == [[0, 1]] and report["servers"] in ([0], [1])   # auto: two nodes, one cluster
@@ -24,9 +27,9 @@ def test_profile_nodes_json_and_a_hierarchical_compressed_run(tmp_path):
         assert node["disk_mbps"] > 0   # "measure": measured for real
 
     out = tmp_path / "run"
-    result = convoy("train", "--sync", "hierarchical", "--nproc", "2", "--clusters", "2", "--exchange-every", "2",
-                    "--node-profile", str(profile), "--compress", "fp16", "--steps", "6", "--batch-size", "8",
-                    "--no-progress", "--out", str(out))
+    result = convoy_in_process("train", "--sync", "hierarchical", "--nproc", "2", "--clusters", "2",
+                               "--exchange-every", "2", "--node-profile", str(profile), "--compress", "fp16",
+                               "--steps", "6", "--batch-size", "8", "--no-progress", "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert "test accuracy" in result.stdout
     for rank in range(2):   # one node per cluster: each is its cluster's server

@@ -14,7 +14,7 @@ from convoy.engine import Engine
 from convoy.errors import UsageError
 from convoy.sync import AllReduce
 from convoy.train.config import build_config
-from tests.helpers import convoy, convoy_in_process, digits_batches, flat, one_line_error, run_workers, seeded_model
+from tests.helpers import convoy_in_process, digits_batches, flat, one_line_error, run_workers, seeded_model
 
 LR, MOMENTUM = 0.05, 0.9
 
@@ -46,6 +46,7 @@ def _all_blocks_worker(rank: int, world: int):
     return results
 
 
+@pytest.mark.timeout(300)
 def test_all_blocks_equal_the_dense_all_reduce_and_warmup_steps_are_dense():
     for results in run_workers(_all_blocks_worker, 2):
         dense, dense_sent = results["dense"]
@@ -79,6 +80,7 @@ def _sparse_worker(rank: int, world: int):
     return {name: _train(rank, world, make(), 50) for name, make in strategies.items()}
 
 
+@pytest.mark.timeout(300)
 def test_every_rank_holds_identical_parameters_and_momentum_after_50_sparse_steps():
     results = run_workers(_sparse_worker, 3)
     start = flat(seeded_model("lenet"))
@@ -115,10 +117,11 @@ def test_every_compression_option_is_checked_before_training(flags, expected):
         build_config({}, {"compress": "blocktopk", **flags})
 
 
+@pytest.mark.timeout(300)
 def test_train_records_the_compression_ratio_of_every_step(tmp_path):
     out = tmp_path / "run"
-    result = convoy("train", "--compress", "blocktopk", "--block-fraction", "0.02", "--block-metric", "l2",
-                    "--warmup-steps", "2", "--steps", "6", "--out", str(out), "--no-progress")
+    result = convoy_in_process("train", "--compress", "blocktopk", "--block-fraction", "0.02", "--block-metric", "l2",
+                               "--warmup-steps", "2", "--steps", "6", "--out", str(out), "--no-progress")
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (out / "metrics-rank0.jsonl").read_text().splitlines()]
     ratios = [r["compression_ratio"] for r in records if r["kind"] == "step"]

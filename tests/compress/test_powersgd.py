@@ -12,7 +12,7 @@ from convoy.compress.powersgd import orthonormalise
 from convoy.engine import Engine
 from convoy.sync import AllReduce
 from tests.compress.helpers import one_layer_bucket, small_mlp, train_steps
-from tests.helpers import convoy, convoy_in_process, one_line_error, run_workers
+from tests.helpers import convoy_in_process, one_line_error, run_workers
 
 SHAPES = (torch.Size([24, 3, 2, 2]), torch.Size([24]))   # a conv layer: a 24 x 12 matrix and a bias
 
@@ -143,13 +143,13 @@ def _parameters(run: Path) -> dict[str, torch.Tensor]:
 def test_a_resumed_powersgd_run_is_bit_identical(tmp_path):
     """12 steps straight, and 7 steps then a resume to 12: the warm-start Q, the residuals and the
     velocities travel in the checkpoint, so both runs end with the same bits."""
-    whole = convoy("train", *JOB, "--steps", "12", "--out", str(tmp_path / "whole"))
+    whole = convoy_in_process("train", *JOB, "--steps", "12", "--out", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr
-    first = convoy("train", *JOB, "--steps", "7", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                   "--out", str(tmp_path / "a"))
+    first = convoy_in_process("train", *JOB, "--steps", "7", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                              "--out", str(tmp_path / "a"))
     assert first.returncode == 0, first.stderr
-    second = convoy("train", *JOB, "--steps", "12", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                    "--out", str(tmp_path / "b"))
+    second = convoy_in_process("train", *JOB, "--steps", "12", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                               "--out", str(tmp_path / "b"))
     assert second.returncode == 0 and "resumed from" in second.stderr, second.stderr
     whole_params, resumed = _parameters(tmp_path / "whole"), _parameters(tmp_path / "b")
     assert whole_params.keys() == resumed.keys()

@@ -32,6 +32,7 @@ def test_rates_parse_like_tc_and_bad_topologies_are_refused():
         Topology(hosts=4, host_rate=1e6, racks=2)
 
 
+@pytest.mark.timeout(300)
 @needs_netns
 def test_two_racks_are_built_shaped_and_removed_even_on_failure():
     topology = Topology(hosts=4, host_rate=1e9, racks=2, inter_rack_rate=50e6)
@@ -61,6 +62,7 @@ def test_two_racks_are_built_shaped_and_removed_even_on_failure():
     assert not made & _namespaces()
 
 
+@pytest.mark.timeout(300)
 @needs_netns
 def test_a_training_job_runs_across_emulated_hosts(tmp_path):
     before = set(leftover_namespaces())  # another job's cluster may be up
@@ -72,6 +74,7 @@ def test_a_training_job_runs_across_emulated_hosts(tmp_path):
     assert set(leftover_namespaces()) <= before
 
 
+@pytest.mark.timeout(300)
 @needs_netns
 def test_bad_cluster_input_is_one_line_and_exit_2():
     for args in (["--rate", "fast"], ["--hosts", "0"], ["--hosts", "3", "--racks", "2", "--inter-rack-rate", "1mbit"]):
@@ -81,6 +84,7 @@ def test_bad_cluster_input_is_one_line_and_exit_2():
     assert convoy("bench", "cluster", "--", "run.sh").returncode == 2
 
 
+@pytest.mark.timeout(300)
 @needs_netns
 def test_cleanup_takes_only_namespaces_whose_maker_is_gone():
     import os

@@ -47,6 +47,7 @@ def _single_process_reference(name: str, batch: int) -> torch.Tensor:
     return flat(model)
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("world,name", [(2, "vgg_fc"), (3, "lenet"), (4, "lenet")])
 def test_n_workers_equal_one_worker_with_the_union_batch_and_ddp(world, name):
     batch = 4 if name == "vgg_fc" else 6

@@ -61,6 +61,7 @@ def _reference(name: str, union_batch: int) -> nn.Module:
 
 @pytest.mark.parametrize("conv,fc,name,sub_batches", [(2, 1, "vgg_fc", 1), (2, 2, "vgg_fc", 1), (4, 2, "lenet", 1),
                                                       (2, 1, "sequential", 3)])
+@pytest.mark.timeout(300)
 def test_hybrid_step_equals_one_process_on_the_union_batch(conv, fc, name, sub_batches):
     batch = 4   # with 3 sub-batches: pieces of 2, 1 and 1 samples
     results = run_workers(_hybrid_worker, conv + fc, conv, fc, name, batch, sub_batches)
@@ -142,10 +143,12 @@ HYBRID = ["train", "--parallel", "hybrid", "--no-progress", "--steps", "10"]
     (["--conv-workers", "2", "--fc-workers", "1", "--nproc", "3", "--split-at", "head"],
      "--split-at 'head' names no module"),
 ])
+@pytest.mark.timeout(300)
 def test_bad_hybrid_input_is_one_line_and_exit_2(args, expected, user_models):
     assert expected in one_line_error(convoy(*HYBRID, *args, env=user_models))
 
 
+@pytest.mark.timeout(300)
 def test_an_fc_worker_crash_stops_the_conv_workers(tmp_path, user_models):
     start = time.monotonic()
     result = convoy(*HYBRID, "--conv-workers", "2", "--fc-workers", "1", "--nproc", "3",

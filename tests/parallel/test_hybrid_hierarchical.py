@@ -10,11 +10,9 @@ import json
 import pytest
 import torch
 
-from tests.helpers import convoy, profile_toml
+from tests.helpers import convoy_in_process, profile_toml
 
 
-# A job starts in seconds alone, in minutes on a machine shared with other test runs.
-RUN_TIMEOUT_S = 600
 COMMON = ("--batch-size", "8", "--steps", "6", "--no-progress")
 
 
@@ -28,10 +26,10 @@ def test_hierarchical_inside_the_conv_group_of_a_hybrid_job(tmp_path):
     profile = tmp_path / "nodes.toml"
     profile.write_text(profile_toml(slow=(1, 3)))   # conv workers {0, 2} and {1, 3}
     run, checkpoints = tmp_path / "run", tmp_path / "ckpt"
-    result = convoy("train", "--nproc", "5", "--parallel", "hybrid", "--conv-workers", "4", "--fc-workers", "1",
-                    "--sync", "hierarchical", "--clusters", "2", "--exchange-every", "2", "--node-profile",
-                    str(profile), "--checkpoint-dir", str(checkpoints), *COMMON, "--out", str(run),
-                    timeout=RUN_TIMEOUT_S)
+    result = convoy_in_process("train", "--nproc", "5", "--parallel", "hybrid", "--conv-workers", "4",
+                               "--fc-workers", "1", "--sync", "hierarchical", "--clusters", "2",
+                               "--exchange-every", "2", "--node-profile", str(profile),
+                               "--checkpoint-dir", str(checkpoints), *COMMON, "--out", str(run))
     assert result.returncode == 0, result.stderr
     for rank, cluster in ((0, 0), (2, 0), (1, 1), (3, 1)):
         for s in _steps(run, rank):
@@ -49,7 +47,7 @@ def test_one_cluster_of_two_conv_workers_trains_exactly_as_allreduce(tmp_path):
     """A cluster's server adds its two members' gradients, as a ring all-reduce of two does."""
     job = ("--nproc", "3", "--parallel", "hybrid", "--conv-workers", "2", "--fc-workers", "1", *COMMON)
     for name, sync in (("flat", ("--sync", "allreduce")), ("hier", ("--sync", "hierarchical", "--clusters", "1"))):
-        result = convoy("train", *job, *sync, "--out", str(tmp_path / name), timeout=RUN_TIMEOUT_S)
+        result = convoy_in_process("train", *job, *sync, "--out", str(tmp_path / name))
         assert result.returncode == 0, result.stderr
     flat = torch.load(tmp_path / "flat" / "model.pt")["model"]
     hier = torch.load(tmp_path / "hier" / "model.pt")["model"]

@@ -129,6 +129,7 @@ def job(tmp_path_factory):
     return run_workers(_job, WORLD, str(out_dir)), out_dir
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("servers", [1, 2])
 def test_ps_equals_data_parallel_allreduce(job, servers):
     results, _ = job
@@ -141,6 +142,7 @@ def test_ps_equals_data_parallel_allreduce(job, servers):
         assert all(results[worker][(servers, mode)] is True for mode, _ in MODES)
 
 
+@pytest.mark.timeout(600)
 def test_compressed_pushes_equal_allreduce_with_the_same_compressor(job):
     """Pushes go through the same compressor and error-feedback memory as all-reduce, and the server
     sums the workers' decoded rows in worker order as all-reduce's gather does: the same training."""
@@ -150,6 +152,7 @@ def test_compressed_pushes_equal_allreduce_with_the_same_compressor(job):
     assert (reference - results[1][(1, "allreduce")]).abs().max().item() > 1e-4   # compression changed it
 
 
+@pytest.mark.timeout(600)
 def test_scheduler_sends_by_priority_and_preempts_at_slice_boundaries(job):
     results, _ = job
     expected = [0, 1, 10, 11, 2, 3]   # low 1 was in flight: finished, not taken back
@@ -157,6 +160,7 @@ def test_scheduler_sends_by_priority_and_preempts_at_slice_boundaries(job):
     assert results[1]["scheduler"] == expected
 
 
+@pytest.mark.timeout(600)
 def test_trace_shows_compute_updates_and_every_slice_on_its_channel(job, capsys):
     from convoy.cli.main import main
 
@@ -176,6 +180,7 @@ def test_trace_shows_compute_updates_and_every_slice_on_its_channel(job, capsys)
     assert {e["args"]["step"] for e in spans} <= {1, 2, 3}
 
 
+@pytest.mark.timeout(600)
 def test_a_dead_server_stops_every_worker_with_a_clear_error(tmp_path):
     port = str(free_port())
     procs = []

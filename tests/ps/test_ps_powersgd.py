@@ -7,10 +7,6 @@ up to the order of the additions.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,7 +17,7 @@ from convoy.engine import Engine
 from convoy.parallel.ps import ParameterServerLayout
 from convoy.ps import PSSettings
 from convoy.sync import AllReduce
-from tests.helpers import digits_batches, flat, run_workers, seeded_model
+from tests.helpers import convoy_in_process, digits_batches, flat, run_workers, seeded_model
 
 WORLD, SERVERS, STEPS, BATCH = 3, 1, 8, 4
 HYPER = {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
@@ -86,9 +82,9 @@ def test_powersgd_pushes_equal_allreduce_with_powersgd():
 
 
 @pytest.mark.timeout(600)
-def test_cli_trains_with_powersgd_pushes(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "convoy", "train", "--model", "lenet", "--batch-size", "8",
-                           "--steps", "6", "--nproc", "3", "--sync", "ps", "--servers", "1", "--compress",
-                           "powersgd"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
+def test_cli_trains_with_powersgd_pushes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # the run folder goes to runs/ under the current directory
+    done = convoy_in_process("train", "--model", "lenet", "--batch-size", "8", "--steps", "6", "--nproc", "3",
+                             "--sync", "ps", "--servers", "1", "--compress", "powersgd")
     assert done.returncode == 0, done.stderr[-2000:]
+    assert list(tmp_path.glob("runs/*/model.pt"))

@@ -1,6 +1,7 @@
 """Hierarchical sync on real gloo process groups: 4 ranks, one spawn, several jobs."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -66,6 +67,7 @@ def _worker(rank: int, world: int, profile_path: str):
     return out
 
 
+@pytest.mark.timeout(300)
 def test_hierarchical_sync_on_four_ranks(tmp_path):
     path = tmp_path / "nodes.toml"
     path.write_text(PROFILE)

@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import csv
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +21,7 @@ from convoy.sync import AllReduce
 from convoy.train.config import TrainConfig, build_config
 from convoy.train.divergence import DivergenceGuard
 from convoy.train.metrics import MetricsWriter
-from tests.helpers import ROOT, run_workers
+from tests.helpers import convoy_in_process, run_workers
 
 LR = 0.05
 
@@ -184,10 +181,8 @@ def test_settings_refused_where_they_cannot_be_correct():
 
 @pytest.mark.timeout(120)
 def test_a_diverging_run_stops_with_one_line(tmp_path: Path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "convoy", "train", "--nproc", "2", "--model", "lenet",
-                           "--lr", "1e6", "--steps", "50", "--no-progress", "--out", str(tmp_path / "run")],
-                          capture_output=True, text=True, env=env, timeout=110)
+    done = convoy_in_process("train", "--nproc", "2", "--model", "lenet", "--lr", "1e6", "--steps", "50",
+                             "--no-progress", "--out", str(tmp_path / "run"))
     assert done.returncode == 3, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr
