@@ -120,9 +120,9 @@ def bf16_and_loggers(tmp: Path) -> tuple[bool, str]:
 
 def ddp_comm_hooks(tmp: Path) -> tuple[bool, str]:
     same = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "tests/test_ddp_hook.py::test_full_blocktopk_hook_equals_ddp_allreduce_and_sparse_hook"
+                           "tests/ddp/test_ddp_hook.py::test_full_blocktopk_hook_equals_ddp_allreduce_and_sparse_hook"
                            "_keeps_ranks_equal"], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
-    seen = [f"block_fraction=1.0 equals DDP's all-reduce (tests/test_ddp_hook.py): {same.returncode == 0}"]
+    seen = [f"block_fraction=1.0 equals DDP's all-reduce (tests/ddp/test_ddp_hook.py): {same.returncode == 0}"]
     ok = same.returncode == 0
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     for hook in (["blocktopk", "block_fraction=0.01"], ["powersgd", "rank=2"]):

@@ -5,7 +5,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +12,9 @@ from hypothesis import given, settings, strategies as st
 
 import convoy
 from convoy.compress import FP16Compressor, ResidualMemory, build_compressor
+from tests.helpers import ROOT
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "own_loop.py"
+EXAMPLE = ROOT / "examples" / "own_loop.py"
 
 
 @pytest.mark.timeout(240)

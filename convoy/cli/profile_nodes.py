@@ -46,8 +46,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     worker.set_defaults(func=_run_worker_from_json)
 
 
-def _check(args: argparse.Namespace, world: int) -> None:
-    """Every check that needs no worker, so bad input fails before any starts."""
+def check_options(args: argparse.Namespace, world: int) -> None:
+    """Every check of ``convoy profile-nodes``' options that needs no worker, so bad input fails before any starts.
+
+    Args:
+        args: the parsed ``profile-nodes`` options.
+        world: the number of ranks the job will have.
+
+    Raises:
+        UsageError: naming the first bad option.
+    """
     if world < 1:
         raise UsageError(f"--nproc must be >= 1, got {world}")
     check_cluster_options(world, args.clusters, args.indicator_weights, args.node_profile, args.reelect_every,
@@ -56,9 +64,9 @@ def _check(args: argparse.Namespace, world: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if launched_by_torchrun():
-        _check(args, int(os.environ["WORLD_SIZE"]))
+        check_options(args, int(os.environ["WORLD_SIZE"]))
         _run_worker(args)
-    _check(args, args.nproc)
+    check_options(args, args.nproc)
     values = {k: v for k, v in vars(args).items() if k != "func"}
     argv = [sys.executable, "-m", "convoy", "_profile_worker", json.dumps(values)]
     return run_ranks(lambda rank: argv, args.nproc, "127.0.0.1", "lo")

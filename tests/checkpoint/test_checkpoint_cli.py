@@ -1,0 +1,193 @@
+"""Checkpoints through the convoy command: resume, inspect, export, bad input, torchrun restarts."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import CLI_TIMEOUT_S, convoy, convoy_in_process, importable, one_line_error
+
+# 5 steps an epoch on digits with 2 workers: 12 steps cross two epoch boundaries.
+JOB = ("--nproc", "2", "--batch-size", "128", "--lr-schedule", "constant", "--compress", "fp16",
+       "--no-progress", "--eval-every", "0")
+
+
+def _same_models(a: Path, b: Path) -> None:
+    x, y = torch.load(a / "model.pt"), torch.load(b / "model.pt")
+    for key in x["model"]:
+        assert torch.equal(x["model"][key], y["model"][key]), key
+    for p, q in zip(x["optimizers"], y["optimizers"]):
+        for index in p["state"]:
+            assert torch.equal(p["state"][index]["momentum_buffer"], q["state"][index]["momentum_buffer"])
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory):
+    """An uninterrupted 12-step run, and one stopped after 7 steps then resumed to 12."""
+    tmp = tmp_path_factory.mktemp("resume")
+    whole = convoy_in_process("train", *JOB, "--steps", "12", "--out", str(tmp / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    first = convoy_in_process("train", *JOB, "--steps", "7", "--checkpoint-dir", str(tmp / "ckpt"),
+                              "--out", str(tmp / "a"))
+    assert first.returncode == 0, first.stderr
+    second = convoy_in_process("train", *JOB, "--steps", "12", "--checkpoint-dir", str(tmp / "ckpt"),
+                               "--out", str(tmp / "b"))
+    assert second.returncode == 0, second.stderr
+    return tmp, second
+
+
+@pytest.mark.timeout(600)
+def test_two_workers_resume_bit_identically_across_epochs_with_compression_residuals(resumed_run):
+    tmp, second = resumed_run
+    assert "resumed from" in second.stderr and "at step 7 (epoch 1, batch 2)" in second.stderr
+    _same_models(tmp / "whole", tmp / "b")
+
+
+@pytest.mark.timeout(600)
+def test_inspect_lists_both_areas_the_file_system_and_sizes(resumed_run):
+    tmp, _ = resumed_run
+    result = convoy_in_process("checkpoint", "inspect", str(tmp / "ckpt"))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "DAX" in out and "model-rank0.ckpt  model, 5 layers" in out
+    assert "area A: step 12" in out and "area B: step 11" in out
+    assert "state-rank0.ckpt" in out and "state-rank1.ckpt" in out and " MB" in out
+
+
+@pytest.mark.timeout(600)
+def test_export_then_init_from_starts_from_the_checkpoint(resumed_run):
+    tmp, _ = resumed_run
+    out = tmp / "exported.pt"
+    result = convoy("checkpoint", "export", str(tmp / "ckpt"), str(out))
+    assert result.returncode == 0, result.stderr
+    exported, final = torch.load(out, weights_only=True), torch.load(tmp / "b" / "model.pt")
+    assert exported["step"] == 12
+    for key, value in final["model"].items():
+        assert torch.equal(exported["model"][key], value), key
+    run = convoy_in_process("train", "--nproc", "1", "--steps", "1", "--lr", "1e-9", "--momentum", "0",
+                            "--weight-decay", "0", "--init-from", str(out), "--out", str(tmp / "init"), "--no-progress")
+    assert run.returncode == 0, run.stderr
+    started = torch.load(tmp / "init" / "model.pt")["model"]
+    for key, value in final["model"].items():
+        assert torch.allclose(started[key], value, atol=1e-6), key
+
+
+@pytest.mark.timeout(600)
+def test_a_damaged_checkpoint_stops_the_job_with_exit_2_and_is_left_untouched(resumed_run, tmp_path):
+    tmp, _ = resumed_run
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tmp / "ckpt", damaged)
+    path = damaged / "model-rank0.ckpt"
+    data = bytearray(path.read_bytes())
+    header = len(data) - 2 * ((len(data) - 4096) // 2)
+    for offset in (header + 40, header + (len(data) - header) // 2 + 40):   # both commit records
+        data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    line = one_line_error(convoy_in_process("train", "--nproc", "1", *JOB[2:], "--steps", "14",
+                                            "--checkpoint-dir", str(damaged), "--out", str(tmp_path / "r")))
+    assert "no usable checkpoint" in line and "nothing was overwritten" in line
+    assert path.read_bytes() == bytes(data)
+    assert "damaged" in convoy_in_process("checkpoint", "inspect", str(damaged)).stdout
+
+
+@pytest.mark.timeout(600)
+def test_another_models_checkpoint_is_refused_naming_the_layer(resumed_run, tmp_path):
+    tmp, _ = resumed_run
+    line = one_line_error(convoy_in_process("train", "--nproc", "1", "--model", "resnet18", "--steps", "2",
+                                            "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp_path / "r")))
+    assert "different model" in line and "layer" in line
+
+
+@pytest.mark.parametrize("make,expected", [
+    (lambda d: d.write_text("x"), "is a file, not a directory"),
+    (lambda d: None, "cannot be created"),
+])
+def test_a_bad_checkpoint_dir_is_refused_before_training(tmp_path, make, expected):
+    directory = tmp_path / "ckpt"
+    make(directory)
+    target = str(directory) if expected != "cannot be created" else "/proc/convoy-checkpoint"
+    assert expected in one_line_error(convoy_in_process("train", "--checkpoint-dir", target, "--steps", "2"))
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--checkpoint-every", "0"], "--checkpoint-every must be a whole number from 1 to 1000000000, or auto"),
+    (["--checkpoint-every", "often"], "--checkpoint-every must be a whole number from 1 to 1000000000, or auto"),
+    (["--checkpoint-dir", "ckpt", "--checkpoint-budget", "0.9"], "--checkpoint-budget must be in (0, 0.5]"),
+    (["--checkpoint-dir", "ckpt", "--checkpoint-full-every", "0"], "--checkpoint-full-every must be >= 1"),
+    (["--resume"], "--resume/--no-resume needs --checkpoint-dir"),
+])
+def test_bad_checkpoint_options(args, expected):
+    assert expected in one_line_error(convoy_in_process("train", *args))
+
+
+@pytest.mark.timeout(600)
+def test_resume_with_nothing_to_resume_is_an_error(tmp_path):
+    line = one_line_error(convoy_in_process("train", "--nproc", "1", "--steps", "2", "--resume", "--checkpoint-dir",
+                                            str(tmp_path / "empty"), "--out", str(tmp_path / "r"), "--no-progress"))
+    assert "holds no checkpoint" in line
+
+
+@pytest.mark.timeout(600)
+def test_a_full_disk_is_reported_before_training(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        line = one_line_error(convoy_in_process("train", "--nproc", "1", "--steps", "2",
+                                                "--checkpoint-dir", str(small), "--out", str(tmp_path / "r"),
+                                                "--no-progress"))
+        assert "MB free" in line or "No space left" in line
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+CRASHING_MODEL = """
+import os, signal
+from pathlib import Path
+from convoy.models.lenet import lenet
+
+def factory():
+    model = lenet()
+    calls = [0]
+
+    def hook(module, args):
+        calls[0] += 1
+        marker = Path(os.environ["CRASH_MARKER"])
+        if os.environ["RANK"] == "1" and calls[0] == 6 and not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    model.register_forward_pre_hook(hook)
+    return model
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_torchrun_restart_resumes_from_the_last_commit_by_itself(resumed_run, tmp_path):
+    """Rank 1 dies at step 5; torchrun restarts both workers; the result equals the uninterrupted run.
+
+    The crashing model is LeNet plus a forward hook: it trains exactly like the fixture's model.
+    """
+    whole = resumed_run[0] / "whole"
+    (tmp_path / "crashing.py").write_text(textwrap.dedent(CRASHING_MODEL))
+    env = {**os.environ, **importable(tmp_path), "CRASH_MARKER": str(tmp_path / "crashed"), "GLOO_SOCKET_IFNAME": "lo",
+           # torchrun's shared TCP store hands restarted workers stale gloo addresses (pytorch#135712)
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "--max-restarts", "1", "-m", "convoy", "train", *JOB[2:], "--steps", "12",
+                             "--model", "crashing:factory", "--timeout", "30",
+                             "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "restarted")],
+                            capture_output=True, text=True, env=env, timeout=CLI_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "crashed").exists()
+    assert "resumed from" in result.stderr
+    _same_models(whole, tmp_path / "restarted")

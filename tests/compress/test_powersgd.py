@@ -1,0 +1,194 @@
+"""PowerSGD inside convoy's engine: exactness, error feedback, two-round exchange, resume, bad flags."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from convoy.compress import LayerInfo, MomentumCorrection, PowerSGDCompressor, ResidualMemory
+from convoy.compress.powersgd import orthonormalise
+from convoy.engine import Engine
+from convoy.sync import AllReduce
+from tests.compress.helpers import one_layer_bucket, small_mlp, train_steps
+from tests.helpers import convoy_in_process, one_line_error, run_workers
+
+SHAPES = (torch.Size([24, 3, 2, 2]), torch.Size([24]))   # a conv layer: a 24 x 12 matrix and a bias
+
+
+def _low_rank_gradient(rank: int, seed: int, left: torch.Tensor | None = None) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    left = torch.randn(24, rank, generator=generator) if left is None else left
+    matrix = left @ torch.randn(rank, 12, generator=generator)
+    return torch.cat([matrix.reshape(-1), torch.randn(24, generator=generator)])
+
+
+def _exchange_locally(compressor: PowerSGDCompressor, gradient: torch.Tensor) -> torch.Tensor:
+    payload, ctx = compressor.compress(gradient, "0", LayerInfo(shapes=SHAPES))
+    while compressor.more_rounds(ctx):
+        payload, ctx = compressor.next_round(payload, ctx)
+    return compressor.decompress(payload, ctx)
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_a_gradient_of_rank_r_comes_back_whole_at_rank_r(rank):
+    compressor = PowerSGDCompressor(rank)
+    gradient = _low_rank_gradient(rank, seed=rank)
+    out = _exchange_locally(compressor, gradient)
+    torch.testing.assert_close(out, gradient, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[-24:], gradient[-24:])       # the bias goes dense, bit for bit
+    # A rank-(r+1) gradient does not: the compressor really is low rank.
+    assert not torch.allclose(_exchange_locally(PowerSGDCompressor(rank), _low_rank_gradient(rank + 1, 9)),
+                              _low_rank_gradient(rank + 1, 9), atol=1e-3)
+
+
+def test_factors_are_a_fraction_of_the_matrix_and_a_rank_too_large_sends_it_dense():
+    assert PowerSGDCompressor(2).payload_values(SHAPES) == (24 * 2, 12 * 2 + 24)
+    # rank 6: factors 6 * (24 + 12) = 216 values, not 2x smaller than 288: dense.
+    assert PowerSGDCompressor(6).payload_values(SHAPES) == (0, 24 * 12 + 24)
+    assert PowerSGDCompressor(12).payload_values(SHAPES) == (0, 24 * 12 + 24)
+    gradient = torch.randn(24 * 12 + 24)
+    assert torch.equal(_exchange_locally(PowerSGDCompressor(12), gradient), gradient)
+
+
+def test_orthonormalisation_of_a_rank_deficient_p_gives_no_nan():
+    p = torch.zeros(10, 3)
+    p[:, 0] = torch.arange(10.0)
+    p[:, 1] = 2 * p[:, 0]                      # in the span of the first column
+    basis = orthonormalise(p.clone())
+    assert torch.isfinite(basis).all()
+    assert float(basis[:, 0].norm()) == pytest.approx(1.0)
+    assert float(basis[:, 1:].norm()) < 1e-3
+
+
+def test_momentum_sgd_exactly_when_every_layer_is_too_small_to_factor():
+    dense, corrected = small_mlp(), small_mlp()
+    train_steps(dense, torch.optim.SGD(dense.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4), 8)
+    memory = MomentumCorrection(0.9, weight_decay=5e-4, masking=False)
+    engine = Engine(corrected, torch.optim.SGD, AllReduce(None, PowerSGDCompressor(32), memory), lr=0.1)
+    train_steps(corrected, engine, 8)
+    engine.close()
+    for a, b in zip(dense.parameters(), corrected.parameters()):
+        assert torch.equal(a, b)
+
+
+def _conservation_worker(rank: int, world: int) -> dict:
+    """Steps of two-rank PowerSGD with momentum correction: per step the averages, the velocities, the residual."""
+    torch.manual_seed(rank)
+    memory = MomentumCorrection(0.9, masking=False)
+    strategy = AllReduce(dist.new_group(), PowerSGDCompressor(2), memory)
+    bucket = one_layer_bucket((24, 3, 2, 2), (24,))
+    applied, velocity, velocities = torch.zeros(312), torch.zeros(312), torch.zeros(312)
+    for _ in range(10):
+        gradient = torch.randn(312)
+        bucket.flat_grad().copy_(gradient)
+        residual_before = memory.residuals.get("0", torch.zeros(312)).clone()
+        compensated = residual_before + 0.9 * velocity + gradient
+        average = strategy.start(bucket, bucket.flat_grad()).wait()
+        velocity = 0.9 * velocity + gradient
+        # This rank's contribution is exactly what left its memory.
+        sent = compensated - memory.residuals["0"]
+        assert torch.equal(memory.velocities["0"], velocity)
+        applied += average
+        velocities += velocity
+    return {"applied": applied, "velocities": velocities, "residual": memory.residuals["0"],
+            "sent_bytes": strategy.traffic()[0], "last_sent": sent, "last_average": average}
+
+
+@pytest.mark.timeout(120)
+def test_error_feedback_with_momentum_correction_conserves_the_velocities_over_two_ranks():
+    """Over the steps, world x (sum of averages applied) + the ranks' residuals == the ranks' summed velocities."""
+    results = run_workers(_conservation_worker, 2)
+    world = len(results)
+    applied = results[0]["applied"]
+    assert all(torch.equal(r["applied"], applied) for r in results)          # every rank applies the same
+    velocities = sum(r["velocities"] for r in results)
+    residuals = sum(r["residual"] for r in results)
+    torch.testing.assert_close(world * applied + residuals, velocities, rtol=1e-5, atol=1e-5)
+    # The average is the mean of the ranks' contributions (sum of per-rank products P^ Q_i^T).
+    torch.testing.assert_close(results[0]["last_average"], sum(r["last_sent"] for r in results) / world,
+                               rtol=1e-5, atol=1e-6)
+    assert float(residuals.norm()) > 0.1                     # something was really held back
+    # Two rounds of factors (P: 24 x 2, Q + bias: 12 x 2 + 24) per step, not 312 values.
+    assert results[0]["sent_bytes"] == 10 * (48 * 4 + 48 * 4)   # a ring of two sends each payload once
+
+
+def _shared_basis_worker(rank: int, world: int) -> torch.Tensor:
+    left = torch.randn(24, 2, generator=torch.Generator().manual_seed(0))   # the same column space
+    strategy = AllReduce(dist.new_group(), PowerSGDCompressor(2), ResidualMemory())
+    bucket = one_layer_bucket((24, 3, 2, 2), (24,))
+    bucket.flat_grad().copy_(_low_rank_gradient(2, seed=10 + rank, left=left))
+    return strategy.start(bucket, bucket.flat_grad()).wait()
+
+
+@pytest.mark.timeout(120)
+def test_the_average_of_rank_r_gradients_sharing_a_column_space_is_exact():
+    results = run_workers(_shared_basis_worker, 2)
+    left = torch.randn(24, 2, generator=torch.Generator().manual_seed(0))
+    expected = sum(_low_rank_gradient(2, seed=10 + r, left=left) for r in range(2)) / 2
+    assert torch.equal(results[0], results[1])
+    torch.testing.assert_close(results[0], expected, rtol=1e-5, atol=1e-5)
+
+
+JOB = ("--nproc", "2", "--batch-size", "32", "--lr-schedule", "constant", "--compress", "powersgd",
+       "--no-progress", "--eval-every", "0")
+
+
+def _parameters(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run / "model.pt")["model"]
+
+
+@pytest.mark.timeout(300)
+def test_a_resumed_powersgd_run_is_bit_identical(tmp_path):
+    """12 steps straight, and 7 steps then a resume to 12: the warm-start Q, the residuals and the
+    velocities travel in the checkpoint, so both runs end with the same bits."""
+    whole = convoy_in_process("train", *JOB, "--steps", "12", "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    first = convoy_in_process("train", *JOB, "--steps", "7", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                              "--out", str(tmp_path / "a"))
+    assert first.returncode == 0, first.stderr
+    second = convoy_in_process("train", *JOB, "--steps", "12", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                               "--out", str(tmp_path / "b"))
+    assert second.returncode == 0 and "resumed from" in second.stderr, second.stderr
+    whole_params, resumed = _parameters(tmp_path / "whole"), _parameters(tmp_path / "b")
+    assert whole_params.keys() == resumed.keys()
+    for key in whole_params:
+        assert torch.equal(whole_params[key], resumed[key]), key
+
+
+def test_the_strategy_state_holds_q_residuals_and_velocities():
+    strategy = AllReduce(None, PowerSGDCompressor(2), MomentumCorrection(0.9, masking=False))
+    bucket = one_layer_bucket((24, 3, 2, 2), (24,))
+    bucket.flat_grad().copy_(torch.randn(312))
+    strategy.start(bucket, bucket.flat_grad()).wait()
+    state = strategy.state_tensors()
+    assert set(state) == {"residual.0", "velocity.0", "powersgd_q.0.0"}
+    assert state["powersgd_q.0.0"].shape == (12, 2)
+    fresh = AllReduce(None, PowerSGDCompressor(2), MomentumCorrection(0.9, masking=False))
+    fresh.load_state_tensors(state)
+    assert all(torch.equal(fresh.state_tensors()[k], v) for k, v in state.items())
+    assert strategy.state_bytes_bound(312 * 4) >= sum(t.numel() * 4 for t in state.values())
+
+
+@pytest.mark.parametrize("value, expected", [("0", "--powersgd-rank must be >= 1"),
+                                             ("-2", "--powersgd-rank must be >= 1"),
+                                             ("1.5", "--powersgd-rank: invalid int value"),
+                                             ("two", "--powersgd-rank: invalid int value")])
+def test_a_bad_powersgd_rank_is_one_line_and_exit_2(value, expected):
+    assert expected in one_line_error(convoy_in_process("train", "--compress", "powersgd",
+                                                         f"--powersgd-rank={value}"))
+
+
+def test_help_says_a_rank_too_large_sends_the_layer_dense():
+    run = convoy_in_process("train", "--help")
+    assert "--powersgd-rank" in run.stdout and "sent dense" in " ".join(run.stdout.split())
+
+
+def test_powersgd_with_sgd_momentum_trains_with_momentum_correction_by_default():
+    from convoy.train.config import TrainConfig
+    from convoy.train.loop import optimizer_spec
+
+    assert optimizer_spec(TrainConfig(compress="powersgd", lr=0.05))[1] == {"lr": 0.05, "momentum": 0.0,
+                                                                           "weight_decay": 0.0}
+    assert optimizer_spec(TrainConfig(compress="powersgd", lr=0.05, momentum_correction=False))[1]["momentum"] == 0.9

@@ -1,0 +1,97 @@
+"""Sparse compression that converges: momentum correction, the density ramp, fixed-size blocks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from convoy.compress import BlockTopKCompressor, MomentumCorrection, ResidualMemory, TopKCompressor
+from convoy.compress.blocks import BlockLayout
+from convoy.engine import Engine
+from convoy.sync import AllReduce
+from tests.compress.helpers import one_layer_bucket, small_mlp, train_steps
+from tests.helpers import convoy_in_process, one_line_error
+
+
+def test_error_feedback_on_the_velocity_conserves_it_exactly():
+    """Every step: sent + new residual == old residual + u, u = m u_masked + g (bit for bit)."""
+    torch.manual_seed(0)
+    m = 0.9
+    memory = MomentumCorrection(m)
+    strategy = AllReduce(None, BlockTopKCompressor(fraction=0.1, block_size=8), memory)
+    bucket = one_layer_bucket((16, 20), (16,))
+    velocity = torch.zeros(336)
+    for _ in range(12):
+        gradient = torch.randn(336)
+        bucket.flat_grad().copy_(gradient)
+        old_residual = memory.residuals.get("0", torch.zeros(336)).clone()
+        sent = strategy.start(bucket, bucket.flat_grad()).wait()
+        velocity = velocity * m + gradient
+        assert torch.equal(sent + memory.residuals["0"], old_residual + velocity)
+        assert 0 < int((sent != 0).sum()) < 336                       # sparse, not dense
+        waited = (sent != 0) & (old_residual != 0)
+        velocity = velocity.masked_fill(waited, 0.0)                   # momentum factor masking
+        assert torch.equal(memory.velocities["0"], velocity)
+
+
+@pytest.mark.parametrize("compressor", [BlockTopKCompressor(fraction=1.0, block_size=7), TopKCompressor(1.0)])
+def test_sending_everything_with_momentum_correction_is_momentum_sgd_exactly(compressor):
+    dense, corrected = small_mlp(), small_mlp()
+    train_steps(dense, torch.optim.SGD(dense.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4), 8)
+    memory = MomentumCorrection(0.9, weight_decay=5e-4)
+    engine = Engine(corrected, torch.optim.SGD, AllReduce(None, compressor, memory, warmup_steps=3), lr=0.1)
+    train_steps(corrected, engine, 8)
+    engine.close()
+    for a, b in zip(dense.parameters(), corrected.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_the_warmup_ramps_density_from_a_quarter_down_to_the_target():
+    strategy = AllReduce(None, BlockTopKCompressor(fraction=0.01, block_size=4), ResidualMemory(), warmup_steps=4)
+    densities = [strategy.warmup_density(step) for step in range(6)]
+    assert densities[0] == 0.25 and densities[4:] == [None, None]
+    assert all(a > b > 0.01 for a, b in zip(densities[:3], densities[1:4]))
+    bucket = one_layer_bucket((400,))
+    bucket.flat_grad().copy_(torch.randn(400))
+    sent = [int((strategy.start(bucket, bucket.flat_grad()).wait() != 0).sum()) for _ in range(6)]
+    assert sent == [100, 44, 20, 8, 4, 4]           # 25 blocks of 4, then ramping to 1 block
+
+
+def test_fixed_size_blocks_cut_small_and_large_layers_alike():
+    layout = BlockLayout([(1024, 1024), (64, 32, 3, 3), (10, 84), (10,)], block_size=256)
+    assert [(s.blocks, s.block_size) for s in layout.segments] == [(4096, 256), (72, 256), (4, 210), (1, 10)]
+    assert layout.kept_counts(fraction=0.01) == [41, 1, 1, 1]
+
+
+def test_a_gradient_spike_cannot_leave_in_one_burst():
+    """The post-warm-up collapse: when training leaves its plateau, gradients grow a hundredfold in
+    a few steps, error feedback banks them for every unsent block, and the blocks leave in bursts
+    that, re-applied by momentum, throw the model back to chance. Clipped locally and accumulated
+    as a velocity, a worker's exchange after w unsent steps is at most w * clip / (1 - m)."""
+    torch.manual_seed(0)
+    m, clip = 0.9, 1.0
+    memory = MomentumCorrection(m, clip_norm=clip)
+    strategy = AllReduce(None, BlockTopKCompressor(fraction=0.05, block_size=5), memory)
+    bucket = one_layer_bucket((20, 50))
+    for step in range(40):
+        spike = 1000.0 if 10 <= step < 14 else 1.0
+        bucket.flat_grad().copy_(torch.randn(1000) * spike)
+        sent = strategy.start(bucket, bucket.flat_grad()).wait()
+        assert float(sent.norm()) <= (step + 1) * clip / (1 - m) + 1e-3
+        assert float(memory.velocities["0"].norm()) <= clip / (1 - m) + 1e-3
+
+
+def test_sparse_sgd_with_momentum_trains_with_momentum_correction_by_default():
+    from convoy.train.config import TrainConfig
+    from convoy.train.loop import optimizer_spec
+
+    sparse = TrainConfig(compress="blocktopk", block_fraction=0.01, lr=0.05)
+    assert optimizer_spec(sparse)[1] == {"lr": 0.05, "momentum": 0.0, "weight_decay": 0.0}
+    assert sparse.clip_norm is not None
+    for config in (TrainConfig(), TrainConfig(compress="blocktopk", momentum_correction=False),
+                   TrainConfig(compress="fp16"), TrainConfig(compress="topk", optimizer="adam")):
+        assert optimizer_spec(config)[1].get("momentum", 0.9) == 0.9
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_a_block_size_below_one_is_one_line_and_exit_2(value):
+    assert "--block-size must be >= 1" in one_line_error(convoy_in_process("train", "--block-size", value))

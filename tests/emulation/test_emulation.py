@@ -1,0 +1,103 @@
+"""Emulated clusters: namespaces, shaped links, a job across them, and tear-down."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from convoy.emulation import EmulatedCluster, Topology, leftover_namespaces, parse_rate
+from convoy.errors import UsageError
+from tests.helpers import convoy
+
+needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                                 reason="network namespaces need root and iproute2")
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def test_rates_parse_like_tc_and_bad_topologies_are_refused():
+    assert parse_rate("100mbit") == 100e6 and parse_rate("1gbit") == 1e9 and parse_rate("500kbit") == 500e3
+    for bad in ("fast", "0mbit", "-1gbit", ""):
+        with pytest.raises(UsageError, match="link rate"):
+            parse_rate(bad)
+    with pytest.raises(UsageError, match="must divide"):
+        Topology(hosts=3, host_rate=1e6, racks=2, inter_rack_rate=1e6)
+    with pytest.raises(UsageError, match="inter-rack-rate"):
+        Topology(hosts=4, host_rate=1e6, racks=2)
+
+
+@pytest.mark.timeout(300)
+@needs_netns
+def test_two_racks_are_built_shaped_and_removed_even_on_failure():
+    topology = Topology(hosts=4, host_rate=1e9, racks=2, inter_rack_rate=50e6)
+    with pytest.raises(RuntimeError, match="inside"):
+        with EmulatedCluster(topology, tag="convoytest") as cluster:
+            made = {cluster.host_ns(h) for h in range(4)} | {cluster.switch}
+            assert made <= _namespaces()
+            qdiscs = subprocess.run(["tc", "-n", cluster.switch, "qdisc", "show"],
+                                    capture_output=True, text=True).stdout
+            assert qdiscs.count("tbf") == 6  # 4 host ports + both ends of the inter-rack link
+            assert qdiscs.count("rate 50Mbit") == 2 and qdiscs.count("rate 1Gbit") == 4
+            host = subprocess.run(cluster.exec_prefix(3) + ["tc", "qdisc", "show", "dev", "eth0"],
+                                  capture_output=True, text=True).stdout
+            assert "rate 1Gbit" in host
+            # Host 0 (rack 0) reaches host 3 (rack 1) over TCP.
+            server = subprocess.Popen(cluster.exec_prefix(3) + [sys.executable, "-c", (
+                "import socket; s = socket.socket(); s.bind(('198.18.0.4', 5555)); s.listen();"
+                "c, _ = s.accept(); print(len(c.recv(100)))")], stdout=subprocess.PIPE, text=True)
+            subprocess.run(cluster.exec_prefix(0) + [sys.executable, "-c", (
+                "import socket, time\n"
+                "for _ in range(50):\n"
+                "    try: s = socket.create_connection(('198.18.0.4', 5555)); break\n"
+                "    except OSError: time.sleep(0.1)\n"
+                "s.sendall(b'hello')")], check=True, timeout=30)
+            assert server.communicate(timeout=30)[0].strip() == "5"
+            raise RuntimeError("inside the cluster")
+    assert not made & _namespaces()
+
+
+@pytest.mark.timeout(300)
+@needs_netns
+def test_a_training_job_runs_across_emulated_hosts(tmp_path):
+    before = set(leftover_namespaces())  # another job's cluster may be up
+    result = convoy("bench", "cluster", "--hosts", "2", "--rate", "1gbit", "--", "train", "--steps", "6",
+                    "--no-progress", "--out", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    assert "convoy: 6 steps in" in result.stdout
+    assert (tmp_path / "run" / "metrics-rank1.jsonl").exists()
+    assert set(leftover_namespaces()) <= before
+
+
+@pytest.mark.timeout(300)
+@needs_netns
+def test_bad_cluster_input_is_one_line_and_exit_2():
+    for args in (["--rate", "fast"], ["--hosts", "0"], ["--hosts", "3", "--racks", "2", "--inter-rack-rate", "1mbit"]):
+        result = convoy("bench", "cluster", *args, "--", "train")
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    assert convoy("bench", "cluster", "--", "run.sh").returncode == 2
+
+
+@pytest.mark.timeout(300)
+@needs_netns
+def test_cleanup_takes_only_namespaces_whose_maker_is_gone():
+    import os
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    live, dead = f"convoy{os.getpid()}-t", f"convoy{gone.pid}-t"
+    for name in (live, dead):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        leftover = leftover_namespaces()
+        assert dead in leftover and live not in leftover   # a running cluster is never torn down
+    finally:
+        for name in (live, dead):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)

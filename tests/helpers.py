@@ -1,0 +1,203 @@
+"""What tests in several packages share: worlds of gloo processes, the convoy command, seeded models and data.
+
+Every name here is public; tests import them (``from tests.helpers import convoy``), never a private
+name of another test module.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from convoy.utils.spawn import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI_TIMEOUT_S = 120
+
+# Forked worlds start from a server process that imported these once (seconds each), not from a
+# fresh interpreter per rank; each rank is still a process of its own with its own gloo group.
+_PRELOAD = ["torch", "torch.distributed", "torch.nn.functional", "convoy", "convoy.data", "convoy.engine",
+            "convoy.sync", "convoy.compress", "convoy.parallel"]
+_FORKSERVER = multiprocessing.get_context("forkserver")
+_FORKSERVER.set_forkserver_preload(_PRELOAD)
+
+# The test being run (set by conftest's pytest_runtest_protocol): helpers that start processes
+# check that it carries a timeout, so a hung collective fails that test, soon.
+running_test: list[pytest.Item] = []
+
+
+def require_timeout(what: str) -> None:
+    """Fail the running test unless it is marked ``@pytest.mark.timeout(N)``: it ``what``."""
+    if running_test and running_test[0].get_closest_marker("timeout") is None:
+        pytest.fail(f"{running_test[0].nodeid} {what}: mark it @pytest.mark.timeout(seconds)", pytrace=False)
+
+
+# ------------------------------------------------------------------ worlds of processes
+def _rank_entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(fn(rank, world, *args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` new processes joined by a gloo group; return
+    their results in rank order.
+
+    Like :func:`convoy.utils.spawn.run_in_processes`, but the processes are forked from
+    multiprocessing's fork server, which imported torch and convoy once for the whole test session:
+    a world starts in a fraction of a second instead of one interpreter start per rank. ``fn`` must
+    be defined at module level and return something picklable.
+
+    Example::
+
+        >>> def rank_times_two(rank, world):
+        ...     return rank * 2
+        >>> run_workers(rank_times_two, 2)
+        [0, 2]
+    """
+    import torch.multiprocessing as mp
+
+    require_timeout("starts a world of processes")
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_rank_entry, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size,
+                           join=True, start_method="forkserver")
+        return [pickle.loads(Path(out_dir, f"{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+# ------------------------------------------------------------------ the convoy command
+def convoy(*args: str, cwd: Path | None = None, env: dict | None = None,
+           timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``python -m convoy ARGS`` in a new process, as a user runs it: exit status, stdout and stderr."""
+    require_timeout("runs the convoy command in a new process")
+    return subprocess.run([sys.executable, "-m", "convoy", *args], capture_output=True, text=True,
+                          cwd=cwd, env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def convoy_in_process(*args: str) -> subprocess.CompletedProcess:
+    """The convoy command with this process as its launcher: exit status, stdout and stderr.
+
+    What ``convoy`` itself prints and what the worker processes it starts print (through
+    file descriptors 1 and 2) are both captured. It saves the fresh interpreter that importing
+    torch costs; tests of the launcher process itself (signals, exit statuses) use :func:`convoy`.
+    """
+    from convoy.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with tempfile.TemporaryFile("w+") as out_fd, tempfile.TemporaryFile("w+") as err_fd:
+        with _file_descriptors_to(out_fd, err_fd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:   # argparse's own errors
+                code = exc.code
+        if code == 0 and args[0] in ("train", "profile-nodes") and "--help" not in args:
+            require_timeout("starts convoy's worker processes")
+        out_fd.seek(0)
+        err_fd.seek(0)
+        return subprocess.CompletedProcess(["convoy", *args], code, out_fd.read() + out.getvalue(),
+                                           err_fd.read() + err.getvalue())
+
+
+@contextlib.contextmanager
+def _file_descriptors_to(stdout, stderr):
+    """Point file descriptors 1 and 2 (what child processes inherit) at two files for the block."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        os.dup2(stdout.fileno(), 1)
+        os.dup2(stderr.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    """The single line a refused command printed; fails unless it exited 2 with one line and no traceback."""
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def importable(directory: Path) -> dict[str, str]:
+    """Environment variables under which a child process imports modules written into ``directory``."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(directory), os.environ.get("PYTHONPATH")]))}
+
+
+def saved_model(run: Path) -> dict[str, torch.Tensor]:
+    """The parameters a ``convoy train`` run saved in its folder's model.pt."""
+    return torch.load(run / "model.pt")["model"]
+
+
+# ------------------------------------------------------------------ models and data
+def seeded_model(name: str) -> nn.Module:
+    """convoy's model ``name`` for digits (1 channel, 10 classes), initialised from seed 0."""
+    from convoy.models import build_model
+
+    torch.manual_seed(0)
+    return build_model(name, in_channels=1, num_classes=10)
+
+
+@functools.lru_cache(maxsize=None)
+def digits():
+    """The digits dataset (built once per process)."""
+    from convoy.data import build_dataset
+
+    return build_dataset("digits")
+
+
+def digits_batches(world: int, rank: int, batch: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank ``rank``'s share (``batch`` samples) of the first ``steps`` global batches of digits, sampler seed 3."""
+    from convoy.data import GlobalBatchSampler, iterate_batches
+
+    data = digits()
+    sampler = GlobalBatchSampler(len(data.train), batch, world, rank, seed=3)
+    out, epoch = [], 0
+    while len(out) < steps:
+        sampler.set_epoch(epoch)
+        out += list(iterate_batches(data.train, sampler))[: steps - len(out)]
+        epoch += 1
+    return out
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    """Every parameter of ``model``, detached, in one vector."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# ------------------------------------------------------------------ node profiles (hierarchical sync)
+def indicator_table(**values: object) -> str:
+    """TOML lines setting every node indicator to 1, except those given (strings quoted)."""
+    from convoy.cluster import INDICATORS
+
+    merged = {name: values.get(name, 1) for name in INDICATORS}
+    return "\n".join(f"{name} = {value!r}".replace("'", '"') for name, value in merged.items())
+
+
+def profile_toml(slow: tuple[int, ...], disk: object = 400) -> str:
+    """A --node-profile file: every rank fast, the ``slow`` ranks with a slow CPU and uplink."""
+    fast = "[all]\n" + indicator_table(cpu_mhz=3000, memory_gb=16, gpu_mhz=0, gpu_memory_gb=0, disk_mbps=disk,
+                                       uplink_mbps=1000) + "\n"
+    return fast + "".join(f"[ranks.{rank}]\ncpu_mhz = 1200\nuplink_mbps = 50\n" for rank in slow)
