@@ -433,9 +433,11 @@ class TrainConfig:
         return cls(**{f.name: _SECTION_TYPES[f.name](**values.get(f.name, {})) for f in dataclasses.fields(cls)})
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
+        """One dict per section, field by field: what config.json holds and ``from_dict`` reads back."""
         return dataclasses.asdict(self)
 
     def sections(self) -> Iterator[Any]:
+        """The section objects, in the order of ``SECTIONS``."""
         return (getattr(self, name) for name in SECTIONS)
 
     def world_size(self) -> int:
