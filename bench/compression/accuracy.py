@@ -23,7 +23,7 @@ from bench.peers.ddp_train import train_ddp
 from convoy.train.config import TrainConfig
 from convoy.train.loop import run
 
-# (label, TrainConfig fields)
+# (label, TrainConfig.from_flat settings)
 RUNS: list[tuple[str, dict[str, Any]]] = [
     ("none", {"compress": "none"}),
     ("fp16", {"compress": "fp16"}),
@@ -54,16 +54,16 @@ def _earlier_rows(settings: dict[str, Any], rerun: list[str]) -> list[dict]:
 
 def convoy_worker(rank: int, world: int, fields: dict[str, Any]) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        summary = run(TrainConfig(**fields, out=out, progress=False, nproc=world).validate())
+        summary = run(TrainConfig.from_flat(**fields, out=out, progress=False, nproc=world).validate())
     return {"test_accuracy": summary.test_accuracy, "wall_s": summary.wall_s,
             "bytes_per_step": summary.bytes_sent_per_worker / summary.steps}
 
 
 def powersgd_worker(rank: int, world: int, fields: dict[str, Any], start_iter: int) -> dict:
-    config = TrainConfig(**fields, nproc=world).validate()
-    return train_ddp(rank, world, steps=config.steps, model=config.model, dataset=config.dataset,
-                     batch_size=config.batch_size, lr=config.lr, momentum=config.momentum,
-                     weight_decay=config.weight_decay, lr_schedule=config.lr_schedule, seed=config.seed,
+    config = TrainConfig.from_flat(**fields, nproc=world).validate()
+    return train_ddp(rank, world, steps=config.run.steps, model=config.model.name, dataset=config.data.dataset,
+                     batch_size=config.data.batch_size, lr=config.optim.lr, momentum=config.optim.momentum,
+                     weight_decay=config.optim.weight_decay, lr_schedule=config.optim.lr_schedule, seed=config.run.seed,
                      powersgd_rank=1, powersgd_start=start_iter)
 
 

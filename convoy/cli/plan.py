@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shlex
 from pathlib import Path
@@ -92,9 +91,9 @@ def add_parser(subparsers: Any) -> None:
 
 def train_flags() -> set[str]:
     """Every ``convoy train`` flag that exists in this convoy (read from its config table)."""
-    from convoy.train.config import TrainConfig
+    from convoy.train.config import config_settings
 
-    return {"--" + f.name.replace("_", "-") for f in dataclasses.fields(TrainConfig)}
+    return {setting.flag for setting in config_settings()}
 
 
 def train_choices() -> dict[str, tuple[str, ...]]:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -12,7 +11,8 @@ from convoy.cli.errors import run_and_exit
 from convoy.cli.launch import launch
 from convoy.errors import UsageError
 from convoy.runtime import launched_by_torchrun
-from convoy.train.config import SECTIONS, TrainConfig, build_config, config_fields, load_toml
+from convoy.train.config import (SECTIONS, Setting, TrainConfig, build_config, config_settings, load_toml,
+                                 value_types)
 from convoy.train.optim import resolve_optimizer
 from convoy.utils.imports import cwd_importable, is_import_path, load_object
 
@@ -24,6 +24,7 @@ Under torchrun (`torchrun --nnodes ... --nproc-per-node ... -m convoy train ...`
 each process is one worker and --nproc is ignored. Settings come from the
 defaults, then a TOML file (--config: keys as below with _ for -, at the top
 level or in the table of their group, e.g. [optim] lr = 0.1), then flags.
+The run folder's config.json holds the settings group by group.
 --model and --dataset also take path/to/file.py:factory (see docs/cli.md for
 the arguments a factory gets).
 """
@@ -36,8 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below, as flat "
                         "keys (lr = 0.1) or in their section's table ([optim] lr = 0.1)")
     groups = {name: parser.add_argument_group(name, about) for name, about in SECTIONS.items()}
-    for field in config_fields():
-        _add_option(groups[field.metadata["section"]], field)
+    for setting in config_settings():
+        _add_option(groups[setting.section], setting)
     parser.set_defaults(func=run)
     worker = subparsers.add_parser("_worker")
     worker.add_argument("config_json")
@@ -47,25 +48,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 _METAVARS = {int: "N", float: "X", str: "VALUE"}
 
 
-def _add_option(parser: argparse._ActionsContainer, field: dataclasses.Field) -> None:
-    flag = "--" + field.name.replace("_", "-")
-    default = "" if field.default is None else f" (default: {field.default})"
-    kind = str(field.type)
-    if kind.startswith("bool"):
-        parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
-                            default=argparse.SUPPRESS, help=field.metadata["help"] + default)
+def _add_option(parser: argparse._ActionsContainer, setting: Setting) -> None:
+    default = "" if setting.default is None else f" (default: {setting.default})"
+    kind = value_types(setting)[0]
+    if kind is bool:
+        parser.add_argument(setting.flag, dest=setting.name, action=argparse.BooleanOptionalAction,
+                            default=argparse.SUPPRESS, help=setting.help + default)
         return
-    if kind.startswith("tuple"):   # a repeatable flag
-        parser.add_argument(flag, dest=field.name, action="append", default=argparse.SUPPRESS,
-                            metavar=field.name.upper(), help=field.metadata["help"])
+    if kind is tuple:   # a repeatable flag
+        parser.add_argument(setting.flag, dest=setting.name, action="append", default=argparse.SUPPRESS,
+                            metavar=setting.name.upper(), help=setting.help)
         return
-    convert = {"int": int, "float": float}.get(kind.split(" ")[0], str)
-    parser.add_argument(flag, dest=field.name, type=convert, default=argparse.SUPPRESS,
-                        metavar=_METAVARS[convert], help=field.metadata["help"] + default)
+    parser.add_argument(setting.flag, dest=setting.name, type=kind, default=argparse.SUPPRESS,
+                        metavar=_METAVARS[kind], help=setting.help + default)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    flags = {f.name: getattr(args, f.name) for f in config_fields() if hasattr(args, f.name)}
+    flags = {s.name: getattr(args, s.name) for s in config_settings() if hasattr(args, s.name)}
     return build_config(load_toml(args.config) if args.config else {}, flags)
 
 
@@ -75,29 +74,31 @@ def run(args: argparse.Namespace) -> int:
     if launched_by_torchrun():
         run_worker(config)
     check_import_paths(config)
-    extra = (config.servers or 1) if config.sync == "ps" else 0   # parameter servers are ranks of their own
-    if config.parallel == "hybrid" and config.conv_workers + config.fc_workers + extra != config.nproc:
-        raise UsageError(f"--conv-workers + --fc-workers ({config.conv_workers + config.fc_workers}) must "
-                         f"equal --nproc ({config.nproc})")
-    if config.out is None:
-        config.out = time.strftime("runs/%Y%m%d-%H%M%S")
-    return launch(json.dumps(dataclasses.asdict(config)), config.nproc)
+    parallel = config.parallel
+    # Parameter servers are ranks of their own.
+    extra = (config.sync.servers or 1) if config.sync.strategy == "ps" else 0
+    if parallel.layout == "hybrid" and parallel.conv_workers + parallel.fc_workers + extra != parallel.nproc:
+        raise UsageError(f"--conv-workers + --fc-workers ({parallel.conv_workers + parallel.fc_workers}) must "
+                         f"equal --nproc ({parallel.nproc})")
+    if config.run.out is None:
+        config.run.out = time.strftime("runs/%Y%m%d-%H%M%S")
+    return launch(json.dumps(config.to_dict()), parallel.nproc)
 
 
 def check_import_paths(config: TrainConfig) -> None:
     """Import the user's model and dataset factories in the launcher, so a bad path is one line, before any worker."""
-    for flag, value in (("--model", config.model), ("--dataset", config.dataset)):
+    for flag, value in (("--model", config.model.name), ("--dataset", config.data.dataset)):
         if is_import_path(value):
             try:
                 load_object(value)
             except ValueError as exc:
                 raise UsageError(f"{flag}: {exc}") from None
-    resolve_optimizer(config.optimizer)
+    resolve_optimizer(config.optim.name)
 
 
 def run_worker_from_file(args: argparse.Namespace) -> NoReturn:
     with open(args.config_json) as f:
-        run_worker(TrainConfig(**json.load(f)).validate())
+        run_worker(TrainConfig.from_dict(json.load(f)).validate())
 
 
 def run_worker(config: TrainConfig) -> NoReturn:

@@ -70,12 +70,12 @@ class JobShape:
         """The shape ``config`` asks for on ``world_size`` ranks."""
         from convoy.cluster.clustering import parse_clusters
 
-        hybrid = config.parallel == "hybrid"
+        hybrid = config.parallel.layout == "hybrid"
         return cls(world_size,
-                   servers=(config.servers or 1) if config.sync == "ps" else 0,
-                   conv_workers=(config.conv_workers or 0) if hybrid else 0,
-                   fc_workers=(config.fc_workers or 0) if hybrid else 0,
-                   clusters=parse_clusters(config.clusters) if config.sync == "hierarchical" else 1)
+                   servers=(config.sync.servers or 1) if config.sync.strategy == "ps" else 0,
+                   conv_workers=(config.parallel.conv_workers or 0) if hybrid else 0,
+                   fc_workers=(config.parallel.fc_workers or 0) if hybrid else 0,
+                   clusters=parse_clusters(config.sync.clusters) if config.sync.strategy == "hierarchical" else 1)
 
     # ------------------------------------------------------------------ roles
     @property

@@ -43,14 +43,14 @@ class Hierarchy:
         The job's last step is an exchange too, so the saved model is the clusters' combination.
         """
         index = next(i for i, plan in enumerate(self.plans) if rank in plan.ranks())
-        return Hierarchical(self.plans[index], config.exchange_every, compressor, memory, config.warmup(),
+        return Hierarchical(self.plans[index], config.sync.exchange_every, compressor, memory, config.compress.warmup(),
                             last_step=total_steps - 1, network=self.networks[index])
 
 
 def build_hierarchy(config: TrainConfig, ctx: runtime.Context, shape: JobShape) -> Hierarchy:
     """Profile every rank, plan each engine group on its first rank, build every group's
     process groups; a collective on the default group (every rank, the same order)."""
-    overrides = load_profile_file(config.node_profile) if config.node_profile else None
+    overrides = load_profile_file(config.sync.node_profile) if config.sync.node_profile else None
     profiles = profile_job(overrides, ctx.local_rank)
     plans = [_agree_on_plan(config, ctx.rank, profiles, group, shape.clusters_in(group))
              for group in shape.engine_groups]
@@ -64,8 +64,8 @@ def _agree_on_plan(config: TrainConfig, rank: int, profiles: list[NodeProfile], 
     box: list = [None]
     if rank == leader:
         try:
-            plan = make_plan([profiles[r] for r in group], parse_weights(config.indicator_weights), clusters,
-                             config.seed, config.reelect_every, config.server_choice).on_ranks(group)
+            plan = make_plan([profiles[r] for r in group], parse_weights(config.sync.indicator_weights), clusters,
+                             config.run.seed, config.sync.reelect_every, config.sync.server_choice).on_ranks(group)
             box[0] = _resumed_plan(config, plan, clusters)
         except UsageError as exc:   # sent on, so every rank fails alike instead of waiting
             box[0] = str(exc)
@@ -78,20 +78,20 @@ def _agree_on_plan(config: TrainConfig, rank: int, profiles: list[NodeProfile], 
 
 def _resumed_plan(config: TrainConfig, fresh: ClusterPlan, clusters: int | str) -> ClusterPlan:
     """The clusters this group's checkpoint was written with, when the job will resume from one."""
-    if config.checkpoint_dir is None or config.resume is False:
+    if config.checkpoint.dir is None or config.checkpoint.resume is False:
         return fresh
     # The group's first rank plans, and its own file holds the plan.
-    saved = saved_sync_state(Path(config.checkpoint_dir), min(fresh.ranks()))
+    saved = saved_sync_state(Path(config.checkpoint.dir), min(fresh.ranks()))
     plan = {key[len("plan."):]: value for key, value in saved.items() if key.startswith("plan.")}
     if not plan:
         return fresh
     members, capability = clusters_from_tensors(plan)
     if sorted(r for m in members for r in m) != sorted(fresh.ranks()):
-        raise UsageError(f"{config.checkpoint_dir} was written by a job whose clusters held ranks "
+        raise UsageError(f"{config.checkpoint.dir} was written by a job whose clusters held ranks "
                          f"{sorted(r for m in members for r in m)}, not {sorted(fresh.ranks())}; "
                          "resume with the same processes, or pass --no-resume")
     if clusters != "auto" and clusters != len(members):
-        raise UsageError(f"{config.checkpoint_dir} was written with --clusters {len(members)}, this job asks "
+        raise UsageError(f"{config.checkpoint.dir} was written with --clusters {len(members)}, this job asks "
                          f"for {clusters}; resume with --clusters {len(members)}, or pass --no-resume")
     return fresh.with_clusters(members, capability)
 

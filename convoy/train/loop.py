@@ -63,33 +63,33 @@ def run(config: TrainConfig, stop: StopRequest | None = None) -> RunSummary:
             checkpoint there (with --checkpoint-dir) and raises :class:`JobStopped`.
     """
     stop = stop or StopRequest()
-    ctx = runtime.init("nccl" if config.device == "cuda" else "gloo", timeout_s=config.timeout)
-    torch.set_num_threads(config.threads)
-    splits = build_dataset(config.dataset, config.data_dir,
-                           synthetic_shape=config.synthetic_dims(), seed=config.seed)
-    torch.manual_seed(config.seed)
-    model = build_model(config.model, in_channels=splits.in_channels, num_classes=splits.num_classes,
+    ctx = runtime.init("nccl" if config.run.device == "cuda" else "gloo", timeout_s=config.run.timeout)
+    torch.set_num_threads(config.run.threads)
+    splits = build_dataset(config.data.dataset, config.data.dir,
+                           synthetic_shape=config.data.synthetic_dims(), seed=config.run.seed)
+    torch.manual_seed(config.run.seed)
+    model = build_model(config.model.name, in_channels=splits.in_channels, num_classes=splits.num_classes,
                         image_size=splits.image_size).to(ctx.device)
-    if config.init_from is not None:
-        load_initial_state(model, config.init_from)
+    if config.checkpoint.init_from is not None:
+        load_initial_state(model, config.checkpoint.init_from)
     broadcast_parameters(model)
     shape = JobShape.from_config(config, ctx.world_size)
     # A step's samples per worker: --grad-accum micro-batches of --batch-size.
-    step_batch = config.batch_size * config.grad_accum
-    steps_per_epoch = len(GlobalBatchSampler(len(splits.train), step_batch, shape.data_world_size, 0, config.seed))
-    total_steps = config.total_steps(steps_per_epoch)
+    step_batch = config.data.batch_size * config.optim.grad_accum
+    steps_per_epoch = len(GlobalBatchSampler(len(splits.train), step_batch, shape.data_world_size, 0, config.run.seed))
+    total_steps = config.run.total_steps(steps_per_epoch)
     layout = build_layout(config, model, ctx, total_steps, (splits.in_channels, *splits.image_size), shape)
     sampler = GlobalBatchSampler(len(splits.train), step_batch, layout.data_world_size, layout.data_rank,
-                                 config.seed)
+                                 config.run.seed)
     session = start_checkpoints(config, layout, total_steps, len(sampler))
-    run_dir = resolve_run_dir(config.out, ctx.rank)
+    run_dir = resolve_run_dir(config.run.out, ctx.rank)
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir)
-    metrics = MetricsWriter(run_dir, ctx.rank, config.logger)
+    metrics = MetricsWriter(run_dir, ctx.rank, config.run.logger)
     guard = DivergenceGuard(dist.new_group() if ctx.world_size > 1 else None,
-                            divergence_hint(config.lr, config.amp, config.clip_grad_norm,
-                                            can_clip=config.sync != "ps" and config.parallel == "data"))
+                            divergence_hint(config.optim.lr, config.optim.amp, config.optim.clip_grad_norm,
+                                            can_clip=config.sync.strategy != "ps" and config.parallel.layout == "data"))
     try:
         summary = _train(config, ctx, layout, splits, sampler, total_steps, metrics, run_dir,
                          guard, session.start if session else ResumePoint(), stop)
@@ -102,10 +102,10 @@ def run(config: TrainConfig, stop: StopRequest | None = None) -> RunSummary:
         _commit_and_stop(summary, session)
     if session is not None:
         session.listener.close()   # the last checkpoint is committed before the job ends
-    if config.trace:
+    if config.sync.trace:
         layout.save_trace(run_dir)
     state = layout.full_state_dict()   # a collective: every rank's trace file is written after it
-    if config.trace and ctx.rank == 0:
+    if config.sync.trace and ctx.rank == 0:
         from convoy.ps.chrome_trace import merge_traces
 
         merge_traces(run_dir)
@@ -132,17 +132,17 @@ def _commit_and_stop(summary: RunSummary, session: CheckpointSession | None) -> 
 def start_checkpoints(config: TrainConfig, layout: ParallelLayout, total_steps: int,
                       steps_per_epoch: int) -> CheckpointSession | None:
     """Resume from ``--checkpoint-dir`` if it holds a checkpoint, and checkpoint from now on."""
-    if config.checkpoint_dir is None:
+    if config.checkpoint.dir is None:
         return None
     optimizer_class, hyper = optimizer_spec(config)
-    every = config.checkpoint_every
+    every = config.checkpoint.every
     if every != "auto":
         every = layout.engine.sync.checkpoint_period(every)   # hierarchical: whole cycles
     elif layout.engine.sync.checkpoint_period(1) != 1:
         raise UsageError("--checkpoint-every auto cannot be used with --sync hierarchical: its checkpoints fall "
-                         f"on exchange steps; give a multiple of --exchange-every ({config.exchange_every})")
-    settings = CheckpointSettings(config.checkpoint_dir, every, config.resume, config.timeout,
-                                  config.checkpoint_budget, config.checkpoint_full_every)
+                         f"on exchange steps; give a multiple of --exchange-every ({config.sync.exchange_every})")
+    settings = CheckpointSettings(config.checkpoint.dir, every, config.checkpoint.resume, config.run.timeout,
+                                  config.checkpoint.budget, config.checkpoint.full_every)
     module, group_ranks, full_names = layout.checkpoint_scope()
     return start_checkpointing(settings, module, layout.engine, optimizer_class, hyper, total_steps,
                                steps_per_epoch, group_ranks, full_names)
@@ -154,8 +154,8 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
     shape = shape or JobShape.from_config(config, ctx.world_size)
     optimizer_class, hyper = optimizer_spec(config)
     # Every rank plans every group's clusters and builds their process groups, before any layout's groups.
-    hierarchy = build_hierarchy(config, ctx, shape) if config.sync == "hierarchical" else None
-    scaler = LossScaler() if config.amp == "fp16" else None
+    hierarchy = build_hierarchy(config, ctx, shape) if config.sync.strategy == "hierarchical" else None
+    scaler = LossScaler() if config.optim.amp == "fp16" else None
 
     def make_engine(part: nn.Module, group: dist.ProcessGroup | None) -> Engine:
         workers = dist.get_world_size(group) if group is not None else ctx.world_size
@@ -163,30 +163,30 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
         if hierarchy is not None:
             sync: SyncStrategy = hierarchy.strategy(ctx.rank, config, compressor, memory, total_steps)
         else:
-            sync = AllReduce(group, compressor, memory, config.warmup())
+            sync = AllReduce(group, compressor, memory, config.compress.warmup())
         return Engine(part, optimizer_class, sync, listeners=sync.listeners(),
-                      lr_lambda=lr_lambda(config.lr_schedule, total_steps),
-                      gate=GradientGate(config.clip_grad_norm, scaler), **hyper)
+                      lr_lambda=lr_lambda(config.optim.lr_schedule, total_steps),
+                      gate=GradientGate(config.optim.clip_grad_norm, scaler), **hyper)
 
-    if config.sync == "ps" and config.parallel == "hybrid":
+    if config.sync.strategy == "ps" and config.parallel.layout == "hybrid":
         return build_hybrid_ps_layout(config, model, ctx, total_steps, input_shape)
-    if config.sync == "ps":
+    if config.sync.strategy == "ps":
         return build_ps_layout(config, model, ctx, total_steps, input_shape)
-    if config.parallel == "hybrid":
-        return HybridParallel(model, shape.hybrid_roles(), ctx.rank, input_shape, make_engine, config.split_at,
-                              sub_batches=config.sub_batches)
+    if config.parallel.layout == "hybrid":
+        return HybridParallel(model, shape.hybrid_roles(), ctx.rank, input_shape, make_engine, config.parallel.split_at,
+                              sub_batches=config.parallel.sub_batches)
     # A group of its own keeps the engine's collectives from interleaving with
     # the training loop's (evaluation, bookkeeping) on the default group.
     group = dist.new_group() if ctx.world_size > 1 else None
-    return DataParallel(model, make_engine(model, group), ctx.rank, ctx.world_size, grad_accum=config.grad_accum,
-                        amp=None if config.amp == "off" else config.amp, scaler=scaler)
+    return DataParallel(model, make_engine(model, group), ctx.rank, ctx.world_size, grad_accum=config.optim.grad_accum,
+                        amp=None if config.optim.amp == "off" else config.optim.amp, scaler=scaler)
 
 
 def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, splits: DatasetSplits,
            sampler: GlobalBatchSampler, total_steps: int, metrics: MetricsWriter, run_dir: Path,
            guard: DivergenceGuard, resume: ResumePoint, stop: StopRequest) -> RunSummary:
     engine = layout.engine
-    bar = tqdm(total=total_steps, initial=resume.step, disable=not (config.progress and ctx.rank == 0),
+    bar = tqdm(total=total_steps, initial=resume.step, disable=not (config.run.progress and ctx.rank == 0),
                unit="step", dynamic_ncols=True, leave=False)
     start = time.perf_counter()
     bytes_sent, step, epoch, last = 0, resume.step, resume.epoch, None
@@ -203,7 +203,7 @@ def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, sp
             last = (step, epoch, loss, correct / len(y), time.perf_counter() - start)
             step += 1
             samples_per_s = (step - resume.step) * len(y) * layout.data_world_size / (time.perf_counter() - start)
-            if config.eval_every and step % config.eval_every == 0 and step < total_steps:
+            if config.run.eval_every and step % config.run.eval_every == 0 and step < total_steps:
                 accuracy, test_loss = layout.evaluate(splits.test, ctx.device)
                 metrics.write("eval", step=step, time=time.perf_counter() - start,
                               test_accuracy=accuracy, test_loss=test_loss)
@@ -237,7 +237,7 @@ def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, sp
 
 def _reached(config: TrainConfig, accuracy: float | None) -> bool:
     # Every rank sees the same all-reduced accuracy, so all stop at the same step.
-    return config.stop_at_accuracy is not None and accuracy is not None and accuracy >= config.stop_at_accuracy
+    return config.run.stop_at_accuracy is not None and accuracy is not None and accuracy >= config.run.stop_at_accuracy
 
 
 def _record_step(metrics: MetricsWriter, layout: ParallelLayout, step: int, epoch: int, loss: float,

@@ -49,8 +49,8 @@ def corrects_momentum(config: TrainConfig) -> bool:
     """
     from convoy.compress import MOMENTUM_CORRECTED_NAMES
 
-    return (config.momentum_correction and config.compress in MOMENTUM_CORRECTED_NAMES
-            and config.optimizer == "sgd" and config.momentum > 0)
+    return (config.compress.momentum_correction and config.compress.name in MOMENTUM_CORRECTED_NAMES
+            and config.optim.name == "sgd" and config.optim.momentum > 0)
 
 
 def lr_lambda(schedule: str, total_steps: int) -> Callable[[int], float] | None:
@@ -64,11 +64,11 @@ def lr_lambda(schedule: str, total_steps: int) -> Callable[[int], float] | None:
 
 def optimizer_spec(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict]:
     """The optimizer class and the hyper-parameters of it that ``config`` sets."""
-    optimizer_class = resolve_optimizer(config.optimizer)
+    optimizer_class = resolve_optimizer(config.optim.name)
     if corrects_momentum(config):   # the workers' error-feedback memory applies both
-        return optimizer_class, {"lr": config.lr, "momentum": 0.0, "weight_decay": 0.0}
-    return optimizer_class, supported_kwargs(optimizer_class, lr=config.lr, momentum=config.momentum,
-                                             weight_decay=config.weight_decay)
+        return optimizer_class, {"lr": config.optim.lr, "momentum": 0.0, "weight_decay": 0.0}
+    return optimizer_class, supported_kwargs(optimizer_class, lr=config.optim.lr, momentum=config.optim.momentum,
+                                             weight_decay=config.optim.weight_decay)
 
 
 def build_compression(config: TrainConfig, workers: int) -> tuple[Any, Any]:
@@ -79,13 +79,14 @@ def build_compression(config: TrainConfig, workers: int) -> tuple[Any, Any]:
     """
     from convoy.compress import SPARSE_NAMES, MomentumCorrection, build_compressor
 
+    compress = config.compress
     compressor, memory = build_compressor(
-        config.compress, blocks_per_layer=config.blocks_per_layer, block_fraction=config.block_fraction,
-        block_metric=config.block_metric, block_selection=config.block_selection,
-        block_size=config.block_size, element_fraction=config.element_fraction,
-        powersgd_rank=config.powersgd_rank)
+        compress.name, blocks_per_layer=compress.blocks_per_layer, block_fraction=compress.block_fraction,
+        block_metric=compress.block_metric, block_selection=compress.block_selection,
+        block_size=compress.block_size, element_fraction=compress.element_fraction,
+        powersgd_rank=compress.powersgd_rank)
     if corrects_momentum(config):
         # Masking zeroes the momentum of values sent whole; a low-rank payload sends part of every value.
-        memory = MomentumCorrection(config.momentum, config.clip_norm, workers, config.weight_decay,
-                                    masking=config.momentum_masking and config.compress in SPARSE_NAMES)
+        memory = MomentumCorrection(config.optim.momentum, compress.clip_norm, workers, config.optim.weight_decay,
+                                    masking=compress.momentum_masking and compress.name in SPARSE_NAMES)
     return compressor, memory

@@ -22,14 +22,15 @@ from convoy.train.optim import build_compression, lr_lambda, optimizer_spec
 
 
 def ps_settings(config: TrainConfig) -> PSSettings:
-    return PSSettings.resolve(config.servers or 1, config.priority, config.channels, config.slice_kb,
-                              config.credit_kb, config.trace_steps if config.trace else 0)
+    sync = config.sync
+    return PSSettings.resolve(sync.servers or 1, sync.priority, sync.channels, sync.slice_kb, sync.credit_kb,
+                              sync.trace_steps if sync.trace else 0)
 
 
 def example_batch(config: TrainConfig, input_shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Random inputs like a training batch (traced for the priorities), from a private generator:
     the global seed stays as it was."""
-    return torch.randn(config.batch_size, *input_shape, generator=torch.Generator().manual_seed(0)).to(device)
+    return torch.randn(config.data.batch_size, *input_shape, generator=torch.Generator().manual_seed(0)).to(device)
 
 
 def build_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, total_steps: int,
@@ -40,8 +41,8 @@ def build_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context,
     compressor, memory = build_compression(config, ctx.world_size - settings.servers)
     return ParameterServerLayout(model, settings, ctx.rank, ctx.world_size, optimizer_class, hyper,
                                  example_batch(config, input_shape, ctx.device),
-                                 lr_lambda(config.lr_schedule, total_steps), compressor=compressor, memory=memory,
-                                 warmup_steps=config.warmup())
+                                 lr_lambda(config.optim.lr_schedule, total_steps), compressor=compressor, memory=memory,
+                                 warmup_steps=config.compress.warmup())
 
 
 def build_hybrid_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, total_steps: int,
@@ -54,17 +55,17 @@ def build_hybrid_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.C
     hybrid layout puts them.
     """
     settings = ps_settings(config)
-    roles = HybridRoles(config.conv_workers, config.fc_workers)
+    roles = HybridRoles(config.parallel.conv_workers, config.parallel.fc_workers)
     conv_ranks = list(range(roles.conv_workers))
     fc_ranks = list(range(roles.conv_workers, roles.world_size))
-    features, _ = split_point(model, config.split_at)
+    features, _ = split_point(model, config.parallel.split_at)
     in_features = {id(m) for m in features.modules()}
     ps_roles = PSRoles(settings.servers, ctx.world_size, servers_last=True)
     layer_workers = [conv_ranks if id(module) in in_features else fc_ranks for _, module, _ in model_layers(model)]
     optimizer_class, hyper = optimizer_spec(config)
     compressor, memory = build_compression(config, roles.conv_workers)
-    schedule = lr_lambda(config.lr_schedule, total_steps)
-    codec = RowCodec(AllReduce(None, compressor, None, config.warmup()))
+    schedule = lr_lambda(config.optim.lr_schedule, total_steps)
+    codec = RowCodec(AllReduce(None, compressor, None, config.compress.warmup()))
     job = build_job(model, ps_roles, ctx.rank, settings, example_batch(config, input_shape, ctx.device), codec,
                     layer_workers)
     timeline = (Timeline(ctx.rank, "server" if ps_roles.is_server(ctx.rank) else "worker", settings.trace_steps)
@@ -76,7 +77,7 @@ def build_hybrid_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.C
         part_compressor, part_memory = build_compression(config, dist.get_world_size(group))
         # ``group`` is exactly the workers of ``part``'s layers, and the engine's own: PowerSGD agrees over it.
         return worker_engine(job, ctx.rank, part, optimizer_class, hyper, schedule, part_compressor, part_memory,
-                             config.warmup(), timeline, group)
+                             config.compress.warmup(), timeline, group)
 
-    return HybridParallel(model, roles, ctx.rank, input_shape, make_engine, config.split_at,
-                          sub_batches=config.sub_batches, servers=settings.servers)
+    return HybridParallel(model, roles, ctx.rank, input_shape, make_engine, config.parallel.split_at,
+                          sub_batches=config.parallel.sub_batches, servers=settings.servers)

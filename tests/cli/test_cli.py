@@ -50,16 +50,16 @@ def test_config_file_keys_are_checked_and_flags_override(tmp_path):
     result = convoy_in_process("train", "--config", str(good), "--lr", "0.01", "--out", str(out), "--nproc", "1")
     assert result.returncode == 0, result.stderr
     saved = json.loads((out / "config.json").read_text())
-    assert (saved["steps"], saved["batch_size"], saved["lr"]) == (3, 8, 0.01)
+    assert (saved["run"]["steps"], saved["data"]["batch_size"], saved["optim"]["lr"]) == (3, 8, 0.01)
 
 
 def test_help_documents_every_option():
-    from convoy.train.config import config_fields
+    from convoy.train.config import config_settings
 
     result = convoy_in_process("train", "--help")
     assert result.returncode == 0
-    for field in config_fields():
-        assert "--" + field.name.replace("_", "-") in result.stdout
+    for setting in config_settings():
+        assert setting.flag in result.stdout
     assert "torchrun" in result.stdout
 
 

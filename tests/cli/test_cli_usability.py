@@ -1,6 +1,7 @@
 """What helps a user at the command line: suggestions, grouped help, sectioned config files, devices, own models."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -12,10 +13,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from convoy.errors import UsageError
-from convoy.train.config import SECTIONS, build_config, config_fields, load_toml
+from convoy.train.config import SECTIONS, TrainConfig, build_config, config_settings, load_toml, settings_by_name
 from tests.helpers import convoy_in_process, one_line_error
 
-FLAGS = ["--" + f.name.replace("_", "-") for f in config_fields()]
+FLAGS = [s.flag for s in config_settings()]
 
 
 @pytest.mark.parametrize("args, suggestion", [
@@ -45,10 +46,10 @@ def test_help_groups_every_option_under_its_section():
     result = convoy_in_process("train", "--help")
     assert result.returncode == 0
     titles = {name: result.stdout.index(f"\n{name}:\n") for name in SECTIONS}
-    for field in config_fields():
-        at = re.search(rf"^  --{field.name.replace('_', '-')}\b", result.stdout, re.M).start()
+    for setting in config_settings():
+        at = re.search(rf"^  {setting.flag}\b", result.stdout, re.M).start()
         group = max((start, name) for name, start in titles.items() if start < at)[1]
-        assert group == field.metadata["section"], field.name
+        assert group == setting.section, setting.name
     assert "(default: 0.9)" in result.stdout       # --momentum's default is shown
 
 
@@ -58,7 +59,7 @@ def test_sectioned_and_flat_config_files_are_the_same_settings(tmp_path):
                       "[compress]\ncompress = 'topk'\n")
     flat.write_text("steps = 3\nlr = 0.1\nweight_decay = 0.0\nbatch_size = 8\ncompress = 'topk'\n")
     assert load_toml(str(nested)) == load_toml(str(flat))
-    assert build_config(load_toml(str(nested)), {}).lr == 0.1
+    assert build_config(load_toml(str(nested)), {}).optim.lr == 0.1
     misplaced = tmp_path / "misplaced.toml"
     misplaced.write_text("[data]\nlr = 0.1\n")
     with pytest.raises(UsageError, match=r"'lr' belongs in \[optim\], not \[data\]"):
@@ -67,6 +68,58 @@ def test_sectioned_and_flat_config_files_are_the_same_settings(tmp_path):
     typo.write_text("[optim]\nlrr = 0.1\n")
     with pytest.raises(UsageError, match="did you mean lr"):
         load_toml(str(typo))
+
+
+def test_a_section_table_takes_its_fields_own_names_and_refuses_a_setting_given_twice(tmp_path):
+    nested, flat = tmp_path / "nested.toml", tmp_path / "flat.toml"
+    nested.write_text("[model]\nname = 'vgg_fc'\n[sync]\nstrategy = 'hierarchical'\n"
+                      "[checkpoint]\ndir = 'ckpt'\nfull-every = 3\nevery = 5\n")
+    flat.write_text("model = 'vgg_fc'\nsync = 'hierarchical'\ncheckpoint_dir = 'ckpt'\n"
+                    "checkpoint_full_every = 3\ncheckpoint-every = 5\n")
+    assert load_toml(str(nested)) == load_toml(str(flat))
+    twice = tmp_path / "twice.toml"
+    twice.write_text("lr = 0.1\n[optim]\nlr = 0.2\n")
+    with pytest.raises(UsageError, match="lr is given twice"):
+        load_toml(str(twice))
+    typo = tmp_path / "typo.toml"
+    typo.write_text("[checkpoint]\ndri = 'ckpt'\n")
+    with pytest.raises(UsageError, match=r"unknown key \[checkpoint\] 'dri'; valid keys: dir, every.*did you mean dir"):
+        load_toml(str(typo))
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return json.dumps(list(value) if isinstance(value, tuple) else value)   # strings, numbers, lists
+
+
+@pytest.mark.parametrize("flags", [
+    {},
+    {"model": "vgg_fc", "sync": "ps", "nproc": 3, "servers": 1, "priority": "fifo", "logger": ("csv",),
+     "progress": False},
+    {"compress": "blocktopk", "block_fraction": 0.1, "checkpoint_dir": "ckpt", "checkpoint_every": "auto",
+     "resume": False, "steps": 7, "optimizer": "adam", "lr": 1},
+    {"nproc": 4, "parallel": "hybrid", "conv_workers": 3, "fc_workers": 1, "sub_batches": 2, "data_dir": "d"},
+])
+def test_a_run_folders_config_json_as_toml_is_the_same_config(flags, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = build_config({}, flags)
+    saved = json.loads(json.dumps(config.to_dict()))          # what config.json holds
+    assert TrainConfig.from_dict(saved).validate() == config  # what a worker reads
+    toml = tmp_path / "config.toml"
+    toml.write_text("".join(f"[{section}]\n" + "".join(f"{key} = {_toml_value(value)}\n"
+                                                      for key, value in values.items() if value is not None)
+                            for section, values in saved.items()))
+    assert build_config(load_toml(str(toml)), {}) == config
+
+
+def test_every_setting_has_one_flat_name_and_from_flat_knows_them_all():
+    every = config_settings()
+    assert len(settings_by_name()) == len(every) == len({(s.section, s.attr) for s in every})
+    config = TrainConfig.from_flat(**{s.name: s.default for s in every})
+    assert config == TrainConfig()
+    with pytest.raises(TypeError, match="did you mean batch_size"):
+        TrainConfig.from_flat(batch_sise=8)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

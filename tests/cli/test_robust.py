@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from convoy.cli.main import build_parser
 from convoy.cli.train import config_from_args
 from convoy.errors import UsageError, one_line
-from convoy.train.config import config_fields
+from convoy.train.config import config_settings
 from convoy.utils.atomic import save_atomically
 from tests.helpers import convoy_in_process, saved_model
 
@@ -61,7 +61,7 @@ def test_out_of_bounds_settings_are_refused_in_one_line(flag, value, tmp_path, m
     assert list(tmp_path.iterdir()) == []
 
 
-_FLAGS = [("--" + f.name.replace("_", "-")) for f in config_fields()]
+_FLAGS = [s.flag for s in config_settings()]
 _VALUES = st.one_of(
     st.sampled_from(["", "0", "-1", "1", "2", "inf", "-inf", "nan", "1e24", "0.5", "1e-300", str(2**63),
                      "lenet", "x:y", "os:system", "a,b,c", "1,1,1", "/", ".", "--", "auto", "ps", "hybrid"]),
@@ -90,7 +90,7 @@ def test_fuzzed_flags_exit_0_or_2_in_one_line_writing_nothing_outside(tmp_path, 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.one_of(st.binary(max_size=200),
-                 st.dictionaries(st.sampled_from([f.name for f in config_fields()] + ["bogus"]),
+                 st.dictionaries(st.sampled_from([s.name for s in config_settings()] + ["bogus"]),
                                  st.one_of(st.integers(), st.floats(), st.text(max_size=8), st.booleans()),
                                  max_size=4).map(lambda d: "\n".join(f"{k} = {_toml(v)}" for k, v in d.items())
                                                  .encode())))

@@ -127,4 +127,4 @@ def test_train_records_the_compression_ratio_of_every_step(tmp_path):
     ratios = [r["compression_ratio"] for r in records if r["kind"] == "step"]
     # The warm-up ramps density down from 25%: no dense step, and fewer bytes each step until its end.
     assert len(ratios) == 6 and 1.0 < ratios[0] < ratios[1] < min(ratios[2:]) and min(ratios[2:]) > 10
-    assert json.loads((out / "config.json").read_text())["block_metric"] == "l2"
+    assert json.loads((out / "config.json").read_text())["compress"]["block_metric"] == "l2"

@@ -189,6 +189,7 @@ def test_powersgd_with_sgd_momentum_trains_with_momentum_correction_by_default()
     from convoy.train.config import TrainConfig
     from convoy.train.loop import optimizer_spec
 
-    assert optimizer_spec(TrainConfig(compress="powersgd", lr=0.05))[1] == {"lr": 0.05, "momentum": 0.0,
-                                                                           "weight_decay": 0.0}
-    assert optimizer_spec(TrainConfig(compress="powersgd", lr=0.05, momentum_correction=False))[1]["momentum"] == 0.9
+    corrected = TrainConfig.from_flat(compress="powersgd", lr=0.05)
+    assert optimizer_spec(corrected)[1] == {"lr": 0.05, "momentum": 0.0, "weight_decay": 0.0}
+    plain = TrainConfig.from_flat(compress="powersgd", lr=0.05, momentum_correction=False)
+    assert optimizer_spec(plain)[1]["momentum"] == 0.9

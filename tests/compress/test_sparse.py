@@ -84,11 +84,11 @@ def test_sparse_sgd_with_momentum_trains_with_momentum_correction_by_default():
     from convoy.train.config import TrainConfig
     from convoy.train.loop import optimizer_spec
 
-    sparse = TrainConfig(compress="blocktopk", block_fraction=0.01, lr=0.05)
+    sparse = TrainConfig.from_flat(compress="blocktopk", block_fraction=0.01, lr=0.05)
     assert optimizer_spec(sparse)[1] == {"lr": 0.05, "momentum": 0.0, "weight_decay": 0.0}
-    assert sparse.clip_norm is not None
-    for config in (TrainConfig(), TrainConfig(compress="blocktopk", momentum_correction=False),
-                   TrainConfig(compress="fp16"), TrainConfig(compress="topk", optimizer="adam")):
+    assert sparse.compress.clip_norm is not None
+    for config in (TrainConfig(), TrainConfig.from_flat(compress="blocktopk", momentum_correction=False),
+                   TrainConfig.from_flat(compress="fp16"), TrainConfig.from_flat(compress="topk", optimizer="adam")):
         assert optimizer_spec(config)[1].get("momentum", 0.9) == 0.9
 
 

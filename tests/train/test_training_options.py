@@ -171,12 +171,12 @@ def test_loggers_leave_their_files(tmp_path: Path):
 
 def test_settings_refused_where_they_cannot_be_correct():
     with pytest.raises(UsageError, match="--clip-grad-norm needs --parallel data"):
-        TrainConfig(nproc=3, sync="ps", clip_grad_norm=1.0).validate()
+        TrainConfig.from_flat(nproc=3, sync="ps", clip_grad_norm=1.0).validate()
     with pytest.raises(UsageError, match="unknown --amp"):
-        TrainConfig(amp="fp8").validate()
-    assert TrainConfig(model="vgg_fc").validate().lr == 0.0125
-    assert TrainConfig(model="vgg_fc", lr=0.2).validate().lr == 0.2
-    assert build_config({"logger": ["csv", "tensorboard"]}, {}).logger == ("csv", "tensorboard")   # a TOML list
+        TrainConfig.from_flat(amp="fp8").validate()
+    assert TrainConfig.from_flat(model="vgg_fc").validate().optim.lr == 0.0125
+    assert TrainConfig.from_flat(model="vgg_fc", lr=0.2).validate().optim.lr == 0.2
+    assert build_config({"logger": ["csv", "tensorboard"]}, {}).run.logger == ("csv", "tensorboard")   # a TOML list
 
 
 @pytest.mark.timeout(120)
