@@ -300,13 +300,6 @@ class TrainConfig:
         self.logger = tuple(self.logger)
         for name in self.logger:
             _one_of("logger", name, LOGGER_NAMES)
-        given = [_flag(f) for f, off in (("amp", "off"), ("grad_accum", 1), ("clip_grad_norm", None))
-                 if getattr(self, f) != off]
-        if given and (self.sync == "ps" or self.parallel == "hybrid"):
-            verb = "needs" if len(given) == 1 else "need"
-            raise UsageError(f"{', '.join(given)} {verb} --parallel data with --sync allreduce or hierarchical "
-                             "(under ps the servers, under hybrid two engines, update layers as their gradients "
-                             "arrive; no rank sees a step's whole gradient)")
 
     def _validate_device(self) -> None:
         import torch

@@ -30,7 +30,7 @@ from convoy.train.hierarchical import build_hierarchy
 from convoy.train.ps import build_hybrid_ps_layout, build_ps_layout
 from convoy.train.divergence import DivergenceGuard, StopAgreement, divergence_hint
 from convoy.train.metrics import MetricsWriter
-from convoy.train.optim import build_compression, lr_lambda, optimizer_spec
+from convoy.train.optim import build_compression, lr_lambda, optimizer_spec, whole_step_group
 from convoy.utils.lifetime import StopRequest
 
 @dataclass
@@ -88,8 +88,7 @@ def run(config: TrainConfig, stop: StopRequest | None = None) -> RunSummary:
         save_config(config, run_dir)
     metrics = MetricsWriter(run_dir, ctx.rank, config.logger)
     guard = DivergenceGuard(dist.new_group() if ctx.world_size > 1 else None,
-                            divergence_hint(config.lr, config.amp, config.clip_grad_norm,
-                                            can_clip=config.sync != "ps" and config.parallel == "data"))
+                            divergence_hint(config.lr, config.amp, config.clip_grad_norm))
     try:
         summary = _train(config, ctx, layout, splits, sampler, total_steps, metrics, run_dir,
                          guard, session.start if session else ResumePoint(), stop)
@@ -156,6 +155,7 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
     # Every rank plans every group's clusters and builds their process groups, before any layout's groups.
     hierarchy = build_hierarchy(config, ctx, shape) if config.sync == "hierarchical" else None
     scaler = LossScaler() if config.amp == "fp16" else None
+    gate_group = whole_step_group(config, ctx.world_size)
 
     def make_engine(part: nn.Module, group: dist.ProcessGroup | None) -> Engine:
         workers = dist.get_world_size(group) if group is not None else ctx.world_size
@@ -164,22 +164,28 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
             sync: SyncStrategy = hierarchy.strategy(ctx.rank, config, compressor, memory, total_steps)
         else:
             sync = AllReduce(group, compressor, memory, config.warmup())
+        # Hybrid: every rank of ``group`` holds the same averaged gradient of ``part``; each adds 1/workers of it.
+        gate = GradientGate(config.clip_grad_norm, scaler, gate_group, 1.0 / workers)
         return Engine(part, optimizer_class, sync, listeners=sync.listeners(),
-                      lr_lambda=lr_lambda(config.lr_schedule, total_steps),
-                      gate=GradientGate(config.clip_grad_norm, scaler), **hyper)
+                      lr_lambda=lr_lambda(config.lr_schedule, total_steps), gate=gate, **hyper)
 
     if config.sync == "ps" and config.parallel == "hybrid":
-        return build_hybrid_ps_layout(config, model, ctx, total_steps, input_shape)
+        return build_hybrid_ps_layout(config, model, ctx, total_steps, input_shape, scaler, gate_group)
     if config.sync == "ps":
-        return build_ps_layout(config, model, ctx, total_steps, input_shape)
+        return build_ps_layout(config, model, ctx, total_steps, input_shape, scaler, gate_group)
     if config.parallel == "hybrid":
         return HybridParallel(model, shape.hybrid_roles(), ctx.rank, input_shape, make_engine, config.split_at,
-                              sub_batches=config.sub_batches)
+                              sub_batches=config.sub_batches, grad_accum=config.grad_accum,
+                              amp=_amp(config), scaler=scaler)
     # A group of its own keeps the engine's collectives from interleaving with
     # the training loop's (evaluation, bookkeeping) on the default group.
     group = dist.new_group() if ctx.world_size > 1 else None
     return DataParallel(model, make_engine(model, group), ctx.rank, ctx.world_size, grad_accum=config.grad_accum,
-                        amp=None if config.amp == "off" else config.amp, scaler=scaler)
+                        amp=_amp(config), scaler=scaler)
+
+
+def _amp(config: TrainConfig) -> str | None:
+    return None if config.amp == "off" else config.amp
 
 
 def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, splits: DatasetSplits,
