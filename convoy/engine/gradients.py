@@ -14,7 +14,7 @@ worker) only ``follow``s: it adds nothing and keeps its loss scale in step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -80,6 +80,9 @@ class LossScaler:
             self._good_steps = 0
 
 
+KEPT_STEPS = 64   # how many steps' figures a gate keeps for the metrics
+
+
 @dataclass
 class GradientGate:
     """Whole-step processing of the averaged gradient: fp16 unscaling and global-norm clipping.
@@ -106,6 +109,8 @@ class GradientGate:
     group: Any = None
     share: float = 1.0
     last_norm: float = float("nan")   # the global norm of the latest step, before clipping
+    # Each recent step's figures, until the metrics writer takes them (the gate runs ahead of it).
+    _figures: dict[int, dict[str, float]] = field(default_factory=dict, repr=False)
 
     @property
     def needs_whole_step(self) -> bool:
@@ -131,6 +136,14 @@ class GradientGate:
                 grad.mul_(factor)
         return True
 
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """``step``'s global gradient norm (before clipping) and, with fp16, the loss scale it ran with."""
+        return self._figures.pop(step, {})
+
+    def _keep_figures(self, step: int, figures: dict[str, float]) -> None:
+        self._figures[step] = figures
+        self._figures.pop(step - KEPT_STEPS, None)   # no one is reading them (an engine used without the loop)
+
     def follow(self, step: int) -> None:
         """Take part in ``step``'s decision without a gradient of one's own (the update runs elsewhere).
 
@@ -147,6 +160,8 @@ class GradientGate:
             dist.all_reduce(squared, group=self.group)   # a non-finite share makes every rank's sum non-finite
             norm = squared[0].sqrt()
         self.last_norm = float(norm)
+        self._keep_figures(step, {"grad_norm": self.last_norm,
+                                  **({"loss_scale": self.scaler.scale} if self.scaler is not None else {})})
         finite = bool(torch.isfinite(norm))
         if self.scaler is not None:
             self.scaler.update(not finite, step)

@@ -255,7 +255,8 @@ def _record_step(metrics: MetricsWriter, layout: ParallelLayout, step: int, epoc
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     metrics.write("step", epoch=epoch, loss=loss, train_accuracy=train_accuracy, time=elapsed,
                   compression_ratio=dense / stats.bytes_sent if stats.bytes_sent else 1.0, **stats.as_dict(),
-                  peak_rss_mb=peak_rss_mb, **layout.step_metrics(step), **layout.engine.sync.step_metrics(step))
+                  peak_rss_mb=peak_rss_mb, **layout.step_metrics(step), **layout.engine.sync.step_metrics(step),
+                  **(layout.engine.gate.step_metrics(step) if layout.engine.gate is not None else {}))
     return stats.bytes_sent
 
 
