@@ -25,7 +25,7 @@ RUNS = {
     "hybrid_fp16": ("--nproc", "3", *HYBRID, *LOUD, "--batch-size", "8", "--steps", "8", "--lr", "0.01",
                     "--amp", "fp16", "--no-progress"),
     "hybrid_ps_bf16": ("--nproc", "4", *HYBRID, "--sync", "ps", "--servers", "1", "--model", "lenet",
-                       "--batch-size", "16", "--steps", "40", "--amp", "bf16", "--no-progress"),
+                       "--batch-size", "16", "--steps", "30", "--lr", "0.1", "--amp", "bf16", "--no-progress"),
 }
 
 

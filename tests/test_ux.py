@@ -174,8 +174,11 @@ def test_loggers_leave_their_files(tmp_path: Path):
 
 
 def test_settings_refused_where_they_cannot_be_correct():
-    with pytest.raises(UsageError, match="--clip-grad-norm needs --parallel data"):
-        TrainConfig(nproc=3, sync="ps", clip_grad_norm=1.0).validate()
+    for sync, parallel, nproc in (("ps", "data", 3), ("allreduce", "hybrid", 3), ("ps", "hybrid", 4)):
+        TrainConfig(nproc=nproc, sync=sync, parallel=parallel, clip_grad_norm=1.0, grad_accum=2,
+                    amp="bf16").validate()   # every strategy and layout takes them
+    with pytest.raises(UsageError, match="--clip-grad-norm must be > 0"):
+        TrainConfig(clip_grad_norm=0.0).validate()
     with pytest.raises(UsageError, match="unknown --amp"):
         TrainConfig(amp="fp8").validate()
     assert TrainConfig(model="vgg_fc").validate().lr == 0.0125
