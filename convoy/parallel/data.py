@@ -29,7 +29,7 @@ class DataParallel(ParallelLayout):
             backward one at a time, and exchange the summed gradient once: the
             same step as the whole batch, with a micro-batch's activation memory.
         amp: ``"bf16"`` or ``"fp16"``: run forward and the loss under
-            ``torch.autocast`` in that type; ``None``: float32.
+            ``torch.autocast`` in that type; ``None`` or ``"off"``: float32.
         scaler: the fp16 loss scaler (the engine's gate unscales with it).
     """
 

@@ -104,7 +104,7 @@ class HybridParallel(ParallelLayout):
             (activations out, their gradient back) and both groups' engines
             accumulate, so the step equals one on the N-times larger batch.
         amp: ``"bf16"`` or ``"fp16"`` autocast of both parts' forward (the link
-            carries float32); ``None``: float32.
+            carries float32); ``None`` or ``"off"``: float32.
         scaler: the fp16 loss scaler: the FC worker scales the loss, so both
             groups' gradients carry the scale, which each engine's gate (whose
             group spans both groups) divides out.

@@ -176,16 +176,13 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
     if config.parallel == "hybrid":
         return HybridParallel(model, shape.hybrid_roles(), ctx.rank, input_shape, make_engine, config.split_at,
                               sub_batches=config.sub_batches, grad_accum=config.grad_accum,
-                              amp=_amp(config), scaler=scaler)
+                              amp=config.amp, scaler=scaler)
     # A group of its own keeps the engine's collectives from interleaving with
     # the training loop's (evaluation, bookkeeping) on the default group.
     group = dist.new_group() if ctx.world_size > 1 else None
     return DataParallel(model, make_engine(model, group), ctx.rank, ctx.world_size, grad_accum=config.grad_accum,
-                        amp=_amp(config), scaler=scaler)
+                        amp=config.amp, scaler=scaler)
 
-
-def _amp(config: TrainConfig) -> str | None:
-    return None if config.amp == "off" else config.amp
 
 
 def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, splits: DatasetSplits,

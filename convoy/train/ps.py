@@ -51,7 +51,7 @@ def build_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context,
                                  example_batch(config, input_shape, ctx.device),
                                  lr_lambda(config.lr_schedule, total_steps), compressor=compressor, memory=memory,
                                  warmup_steps=config.warmup(), grad_accum=config.grad_accum,
-                                 amp=None if config.amp == "off" else config.amp, scaler=scaler,
+                                 amp=config.amp, scaler=scaler,
                                  gate=gate(config, scaler, gate_group))
 
 
@@ -93,4 +93,4 @@ def build_hybrid_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.C
 
     return HybridParallel(model, roles, ctx.rank, input_shape, make_engine, config.split_at,
                           sub_batches=config.sub_batches, servers=settings.servers, grad_accum=config.grad_accum,
-                          amp=None if config.amp == "off" else config.amp, scaler=scaler)
+                          amp=config.amp, scaler=scaler)
