@@ -69,7 +69,10 @@ class Engine:
             unscaling). With one, a step's updates wait until every exchange of
             the step ended (the global norm needs every layer), so layers no
             longer update while later ones are still on the wire. Without one,
-            each bucket's averaged gradient is only checked to be finite.
+            each bucket's averaged gradient is only checked to be finite. With a
+            strategy that ``returns_parameters`` the update runs elsewhere: the
+            gate only follows the updating ranks' decision, once the step's
+            exchanges are out (its loss scale stays theirs).
         **optimizer_kwargs: hyper-parameters for ``optimizer_class``.
 
     Call ``backward(loss)`` instead of ``loss.backward(); optimizer.step()``;
@@ -211,13 +214,14 @@ class Engine:
         self._wait_s = 0.0
         self.step += 1
 
-    def accumulate(self, loss: torch.Tensor) -> None:
+    def accumulate(self, loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:
         """Back-propagate ``loss`` of a micro-batch without exchanging or updating.
 
         Gradients add up in the layers' buffers; the next :meth:`backward` (the
         step's last micro-batch) hands the sum to the exchange, so N micro-batches
         of a step equal one N-times larger batch when each loss is divided by N.
         ``self.step`` does not advance, so the next forward waits for nothing.
+        ``grad`` is as for :meth:`backward`.
 
         Example::
 
@@ -230,7 +234,7 @@ class Engine:
         self._raise_if_failed()
         self._accumulating = True
         try:
-            torch.autograd.backward(loss)
+            torch.autograd.backward(loss, grad)
         finally:
             self._accumulating = False
 
@@ -310,9 +314,12 @@ class Engine:
                 self._wait_ready(layer, step)                                      # 1. gradient ready
             in_flight.append((bucket, self.sync.start(bucket, bucket.flat_grad())))   # 2. exchange
             self._finish_done(in_flight, step, exchanged)
+        if self.gate is not None and self.sync.returns_parameters:
+            # Every push is out; the updating ranks (servers) decide the step with this rank in the gate's group.
+            self.gate.follow(step)
         while in_flight:
             self._finish_exchange(*in_flight.pop(self.sync.next_done([p for _, p in in_flight])), step, exchanged)
-        if self.gate is not None:
+        if self.gate is not None and not self.sync.returns_parameters:
             apply = self.gate.process([bucket.flat_grad() for bucket in exchanged], step)
             for bucket in exchanged:
                 self._update_bucket(bucket, step, apply)

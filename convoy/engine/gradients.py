@@ -5,12 +5,20 @@ stops the run before it reaches the parameters) and updated as soon as its
 exchange ends. A :class:`GradientGate` with clipping or fp16 loss scaling needs
 the whole step's gradient first (a global norm, one skip decision for all
 layers), so the engine defers that step's updates until every exchange ended.
+
+When a step's gradient is spread over ranks (parameter servers that each own a
+shard, the two groups of a hybrid job), the gate's ``group`` sums every rank's
+share of the squared norm, so each rank clips by, and skips on, the norm of the
+whole averaged gradient. A rank whose update runs elsewhere (a parameter-server
+worker) only ``follow``s: it adds nothing and keeps its loss scale in step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from convoy.errors import TrainingDiverged
 
@@ -72,6 +80,9 @@ class LossScaler:
             self._good_steps = 0
 
 
+KEPT_STEPS = 64   # how many steps' figures a gate keeps for the metrics
+
+
 @dataclass
 class GradientGate:
     """Whole-step processing of the averaged gradient: fp16 unscaling and global-norm clipping.
@@ -81,6 +92,12 @@ class GradientGate:
             every layer of the engine; larger gradients are scaled down to it
             (``torch.nn.utils.clip_grad_norm_``'s rule). ``None``: no clipping.
         scaler: the fp16 loss scaler whose scale the gradient carries, if any.
+        group: the process group over which the step's whole gradient is spread
+            (every rank of it calls :meth:`process` or :meth:`follow` once a step,
+            in step order); ``None``: this engine holds all of it.
+        share: the weight of this rank's squared norm in the group's sum: 1 where
+            each rank holds its own layers (parameter servers), 1 / its replicas
+            where a group of ranks holds the same averaged gradient (hybrid).
 
     Example::
 
@@ -89,7 +106,11 @@ class GradientGate:
 
     clip_grad_norm: float | None = None
     scaler: LossScaler | None = None
+    group: Any = None
+    share: float = 1.0
     last_norm: float = float("nan")   # the global norm of the latest step, before clipping
+    # Each recent step's figures, until the metrics writer takes them (the gate runs ahead of it).
+    _figures: dict[int, dict[str, float]] = field(default_factory=dict, repr=False)
 
     @property
     def needs_whole_step(self) -> bool:
@@ -107,16 +128,43 @@ class GradientGate:
                 grad.div_(self.scaler.scale)
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64)
                                                      for g in grads]))
-        self.last_norm = float(norm)
-        finite = bool(torch.isfinite(norm))
-        if self.scaler is not None:
-            self.scaler.update(not finite, step)
-        elif not finite:
-            raise TrainingDiverged(step, "the averaged gradient became non-finite")
-        if not finite:
+        if not self._decide(norm, step):
             return False
         if self.clip_grad_norm is not None and self.last_norm > self.clip_grad_norm:
             factor = self.clip_grad_norm / (self.last_norm + 1e-6)
             for grad in grads:
                 grad.mul_(factor)
         return True
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """``step``'s global gradient norm (before clipping) and, with fp16, the loss scale it ran with."""
+        return self._figures.pop(step, {})
+
+    def _keep_figures(self, step: int, figures: dict[str, float]) -> None:
+        self._figures[step] = figures
+        self._figures.pop(step - KEPT_STEPS, None)   # no one is reading them (an engine used without the loop)
+
+    def follow(self, step: int) -> None:
+        """Take part in ``step``'s decision without a gradient of one's own (the update runs elsewhere).
+
+        Keeps this rank's loss scale equal to the updating ranks', and raises
+        :class:`TrainingDiverged` at the step they do.
+        """
+        self._decide(torch.zeros((), dtype=torch.float64), step)
+
+    def _decide(self, local_norm: torch.Tensor, step: int) -> bool:
+        """The step's global norm from this rank's; update the scale; False: skip the step."""
+        norm = local_norm
+        if self.group is not None:
+            squared = (local_norm.square() * self.share).reshape(1)
+            dist.all_reduce(squared, group=self.group)   # a non-finite share makes every rank's sum non-finite
+            norm = squared[0].sqrt()
+        self.last_norm = float(norm)
+        self._keep_figures(step, {"grad_norm": self.last_norm,
+                                  **({"loss_scale": self.scaler.scale} if self.scaler is not None else {})})
+        finite = bool(torch.isfinite(norm))
+        if self.scaler is not None:
+            self.scaler.update(not finite, step)
+        elif not finite:
+            raise TrainingDiverged(step, "the averaged gradient became non-finite")
+        return finite

@@ -1,7 +1,6 @@
 """Data parallelism: every rank holds the whole model and a slice of every batch."""
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
@@ -11,6 +10,7 @@ from torch import nn
 from convoy.engine import Engine
 from convoy.engine.gradients import LossScaler
 from convoy.parallel.base import ParallelLayout
+from convoy.parallel.precision import Precision
 from convoy.parallel.scoring import average_buffers, score
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -29,7 +29,7 @@ class DataParallel(ParallelLayout):
             backward one at a time, and exchange the summed gradient once: the
             same step as the whole batch, with a micro-batch's activation memory.
         amp: ``"bf16"`` or ``"fp16"``: run forward and the loss under
-            ``torch.autocast`` in that type; ``None``: float32.
+            ``torch.autocast`` in that type; ``None`` or ``"off"``: float32.
         scaler: the fp16 loss scaler (the engine's gate unscales with it).
     """
 
@@ -43,35 +43,15 @@ class DataParallel(ParallelLayout):
         self.data_rank = rank
         self.data_world_size = world_size
         self.loss_fn = loss_fn
-        self.grad_accum = grad_accum
-        self.amp_dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
-        self.scaler = scaler
+        self.precision = Precision(grad_accum, amp, scaler)
+
+    @property
+    def scaler(self) -> LossScaler | None:
+        """The fp16 loss scaler the step multiplies the loss by (the engine's gate unscales with the same)."""
+        return self.precision.scaler
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
-        self.model.train()
-        # Equal micro-batches (the sampler hands grad_accum x batch-size samples)
-        # make the mean of the micro-batch means the whole batch's mean loss.
-        pieces = list(zip(x.tensor_split(self.grad_accum), y.tensor_split(self.grad_accum)))
-        total_loss, correct = 0.0, 0
-        for i, (x_part, y_part) in enumerate(pieces):
-            with self._autocast(x_part.device):
-                logits = self.model(x_part)
-                loss = self.loss_fn(logits, y_part)
-            scaled = loss / len(pieces) if len(pieces) > 1 else loss
-            if self.scaler is not None:
-                scaled = self.scaler.scale_loss(scaled)
-            if i < len(pieces) - 1:
-                self.engine.accumulate(scaled)
-            else:
-                self.engine.backward(scaled)
-            total_loss += loss.item()
-            correct += int((logits.argmax(1) == y_part).sum())
-        return total_loss / len(pieces), correct
-
-    def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=self.amp_dtype)
+        return self.precision.train_step(self.model, self.engine, self.loss_fn, x, y)
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """Logits for ``x`` with the current parameters (call after ``engine.synchronize``)."""

@@ -15,6 +15,9 @@ group averages over J workers, so FC gradients are those of the mean over all
 I x b samples; the activation gradient is multiplied by n so that each conv
 worker holds the gradient of its own batch mean, which the conv group averages
 over I. One hybrid step therefore equals one single-process step on the union batch.
+With ``grad_accum`` N, each micro-batch crosses the link on its own and both
+groups accumulate (the FC loss is divided by N), so a step still equals one on
+the union of its N micro-batches.
 """
 from __future__ import annotations
 
@@ -27,9 +30,11 @@ from torch import nn
 
 from convoy.data import shard_indices
 from convoy.engine import Engine
+from convoy.engine.gradients import LossScaler
 from convoy.errors import UsageError
 from convoy.models import split_point
 from convoy.parallel.base import ParallelLayout
+from convoy.parallel.precision import Precision, split_sizes
 from convoy.parallel.scoring import EVAL_CHUNK, chunks, finish, tally
 
 EngineFactory = Callable[[nn.Module, dist.ProcessGroup], Engine]
@@ -95,14 +100,24 @@ class HybridParallel(ParallelLayout):
             variant). Batch-norm layers then see K smaller batches.
         servers: parameter-server ranks after the conv and FC ranks (``--sync ps``);
             they take part in this layout's collectives (convoy.parallel.ps.HybridServer).
+        grad_accum: N micro-batches a step; each crosses the link on its own
+            (activations out, their gradient back) and both groups' engines
+            accumulate, so the step equals one on the N-times larger batch.
+        amp: ``"bf16"`` or ``"fp16"`` autocast of both parts' forward (the link
+            carries float32); ``None`` or ``"off"``: float32.
+        scaler: the fp16 loss scaler: the FC worker scales the loss, so both
+            groups' gradients carry the scale, which each engine's gate (whose
+            group spans both groups) divides out.
     """
 
     def __init__(self, model: nn.Module, roles: HybridRoles, rank: int, input_shape: tuple[int, ...],
                  make_engine: EngineFactory, split_at: str | None = None,
-                 loss_fn: Callable = nn.functional.cross_entropy, sub_batches: int = 1, servers: int = 0):
+                 loss_fn: Callable = nn.functional.cross_entropy, sub_batches: int = 1, servers: int = 0,
+                 grad_accum: int = 1, amp: str | None = None, scaler: LossScaler | None = None):
         if sub_batches < 1:
             raise UsageError(f"--sub-batches must be >= 1, got {sub_batches}")
         self.sub_batches = sub_batches
+        self.precision = Precision(grad_accum, amp, scaler)
         if roles.world_size + servers != dist.get_world_size():
             raise UsageError(f"--conv-workers + --fc-workers{' + --servers' if servers else ''} = "
                              f"{roles.world_size + servers} but the job has {dist.get_world_size()} processes")
@@ -147,38 +162,56 @@ class HybridParallel(ParallelLayout):
 
     def _conv_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
         self.part.train()
+        total_loss, correct = 0.0, 0
+        for last, (x_part, y_part) in self.precision.micro_batches(x, y):
+            loss, hits = self._conv_micro_batch(x_part, y_part, last)
+            total_loss, correct = total_loss + loss, correct + hits
+        return total_loss / self.precision.grad_accum, correct
+
+    def _conv_micro_batch(self, x: torch.Tensor, y: torch.Tensor, last: bool) -> tuple[float, int]:
         fc = self.roles.fc_of(self.rank)
         self._send(y, fc)
         pieces, sends = [], []
         for piece in x.tensor_split(self.sub_batches):
-            pieces.append(self.part(piece))
+            with self.precision.autocast(piece.device):
+                features = self.part(piece)
+            pieces.append(features.float())   # the link carries float32 whatever the autocast type
             sends.append(self._isend(pieces[-1].detach().contiguous(), fc))
         activations = torch.cat(pieces)
         grad = self._recv(torch.empty_like(activations), fc)
         loss_and_correct = self._recv(torch.empty(2, dtype=torch.float64), fc)
         for work in sends:
             work.wait()
-        self.engine.backward(activations, grad)
+        # The FC worker's gradient already carries the 1/N of accumulation and the fp16 loss scale.
+        self.precision.hand_over(self.engine, activations, last, grad)
         return loss_and_correct[0].item(), int(loss_and_correct[1])
 
     def _fc_step(self, batch: int) -> tuple[float, int]:
         self.part.train()
+        total_loss, correct = 0.0, 0
+        sizes = self.precision.sizes(batch)
+        for i, size in enumerate(sizes):
+            loss, hits = self._fc_micro_batch(size, i == len(sizes) - 1)
+            total_loss, correct = total_loss + loss, correct + hits
+        return total_loss / len(sizes), correct
+
+    def _fc_micro_batch(self, batch: int, last: bool) -> tuple[float, int]:
         convs = self.roles.convs_of(self.rank)
         labels = [self._recv(torch.empty(batch, dtype=torch.int64), conv) for conv in convs]
-        # The sizes Tensor.tensor_split gives the conv workers' pieces.
-        small, larger = divmod(batch, self.sub_batches)
-        sizes = [small + 1] * larger + [small] * (self.sub_batches - larger)
+        sizes = split_sizes(batch, self.sub_batches)   # the conv workers' pieces
         inputs: list[list[torch.Tensor]] = [[] for _ in convs]
         outputs: list[list[torch.Tensor]] = [[] for _ in convs]
         for size in sizes:   # piece-major: every conv worker's piece k before anyone's piece k + 1
             for i, conv in enumerate(convs):
                 piece = self._recv(torch.empty(size, *self.feature_shape), conv).requires_grad_(True)
                 inputs[i].append(piece)
-                outputs[i].append(self.part(piece))
+                with self.precision.autocast(piece.device):
+                    outputs[i].append(self.part(piece))
         logits, labels = torch.cat([torch.cat(out) for out in outputs]), torch.cat(labels)
-        losses = self.loss_fn(logits, labels, reduction="none")
+        with self.precision.autocast(logits.device):
+            losses = self.loss_fn(logits, labels, reduction="none")
         loss = losses.mean()
-        self.engine.backward(loss)
+        self.precision.hand_over(self.engine, self.precision.scale(loss), last)
         hits = (logits.argmax(1) == labels).double()
         for i, (conv, part_loss, part_hits) in enumerate(zip(convs, losses.detach().double().chunk(len(convs)),
                                                              hits.chunk(len(convs)))):

@@ -20,8 +20,10 @@ from torch import nn
 from convoy.compress import Compressor, Memory
 from convoy.data import shard_indices
 from convoy.engine import Engine
+from convoy.engine.gradients import GradientGate, LossScaler
 from convoy.errors import UsageError
 from convoy.parallel.base import ParallelLayout
+from convoy.parallel.precision import Precision
 from convoy.ps.job import PSJob, Shard, build_job, worker_group
 from convoy.ps.push import RowCodec
 from convoy.ps.roles import PSRoles
@@ -36,26 +38,29 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def server_engine(job: PSJob, rank: int, optimizer_class: type[torch.optim.Optimizer], hyper: dict[str, Any],
-                  lr_lambda: Callable[[int], float] | None, timeline: Timeline | None) -> Engine:
-    """The engine of server ``rank``: its shard, updated as the workers' pushes arrive."""
+                  lr_lambda: Callable[[int], float] | None, timeline: Timeline | None,
+                  gate: GradientGate | None = None) -> Engine:
+    """The engine of server ``rank``: its shard, updated as the workers' pushes arrive (``gate``: clipping
+    and fp16 unscaling of the averaged gradient, its group the job's ranks, so the norm spans every shard)."""
     if not job.layers_of(rank):
         raise UsageError(f"--servers {job.roles.servers}: server rank {rank} would hold no layer (the model has "
                          f"{len(job.layers)}); use fewer servers")
     shard = Shard(job, job.layers_of(rank))
     sync = ServeShard(job, rank, shard, timeline)
     return Engine(shard, optimizer_class, sync, listeners=sync.listeners(), lr_lambda=lr_lambda, bucket_bytes=0,
-                  **hyper)
+                  gate=gate, **hyper)
 
 
 def worker_engine(job: PSJob, rank: int, part: nn.Module, optimizer_class: type[torch.optim.Optimizer],
                   hyper: dict[str, Any], lr_lambda: Callable[[int], float] | None, compressor: Compressor | None,
                   memory: Memory | None, warmup_steps: int, timeline: Timeline | None,
-                  agreement_group: dist.ProcessGroup | None = None) -> Engine:
+                  agreement_group: dist.ProcessGroup | None = None, gate: GradientGate | None = None) -> Engine:
     """The engine of worker ``rank`` training ``part``: pushes and pulls, the update on the servers
-    (``agreement_group``: every worker of ``part``'s layers, for compressors that agree, e.g. PowerSGD)."""
+    (``agreement_group``: every worker of ``part``'s layers, for compressors that agree, e.g. PowerSGD;
+    ``gate``: the servers' clipping and loss scaling, which this worker follows to keep its loss scale)."""
     sync = PushPull(job, rank, part, compressor, memory, warmup_steps, timeline, agreement_group)
     return Engine(part, optimizer_class, sync, listeners=sync.listeners(), lr_lambda=lr_lambda, bucket_bytes=0,
-                  **hyper)
+                  gate=gate, **hyper)
 
 
 class ParameterServerLayout(ParallelLayout):
@@ -71,6 +76,11 @@ class ParameterServerLayout(ParallelLayout):
         loss_fn: ``(logits, labels) -> scalar`` mean loss.
         compressor, memory, warmup_steps: how workers compress their pushes
             (the objects all-reduce uses; default: none).
+        grad_accum, amp, scaler: the workers' micro-batches, autocast and fp16
+            loss scaler (see :class:`~convoy.parallel.precision.Precision`).
+        gate: clipping and fp16 unscaling, on the servers (the workers follow
+            its decisions); its group must hold every rank of the job when
+            there are several servers or a loss scaler.
 
     Example::
 
@@ -83,9 +93,11 @@ class ParameterServerLayout(ParallelLayout):
                  optimizer_class: type[torch.optim.Optimizer], hyper: dict[str, Any], example: torch.Tensor,
                  lr_lambda: Callable[[int], float] | None = None,
                  loss_fn: LossFn = nn.functional.cross_entropy, compressor: Compressor | None = None,
-                 memory: Memory | None = None, warmup_steps: int = 0):
+                 memory: Memory | None = None, warmup_steps: int = 0, grad_accum: int = 1, amp: str | None = None,
+                 scaler: LossScaler | None = None, gate: GradientGate | None = None):
         self.roles = PSRoles(settings.servers, world_size)
         self.model, self.rank, self.settings, self.loss_fn = model, rank, settings, loss_fn
+        self.precision = Precision(grad_accum, amp, scaler)
         self.is_server = self.roles.is_server(rank)
         # Process groups are created collectively, in the same order on every rank.
         codec = RowCodec(AllReduce(None, compressor, None, warmup_steps))
@@ -97,11 +109,11 @@ class ParameterServerLayout(ParallelLayout):
         self.data_world_size = self.roles.num_workers
         if self.is_server:
             self.data_rank = 0   # servers read batches only to keep the loop's pace
-            self.engine = server_engine(self.job, rank, optimizer_class, hyper, lr_lambda, self.timeline)
+            self.engine = server_engine(self.job, rank, optimizer_class, hyper, lr_lambda, self.timeline, gate)
         else:
             self.data_rank = self.roles.worker_index(rank)
             self.engine = worker_engine(self.job, rank, model, optimizer_class, hyper, lr_lambda, compressor,
-                                        memory, warmup_steps, self.timeline, self.worker_group)
+                                        memory, warmup_steps, self.timeline, self.worker_group, gate)
         self._reports = self.roles.is_server(0)   # rank 0 shows progress: the workers tell it their losses
 
     # ------------------------------------------------------------- training
@@ -109,14 +121,10 @@ class ParameterServerLayout(ParallelLayout):
         if self.is_server:
             self.engine.run_step()
             return self._collect_reports() if self.rank == 0 else (0.0, 0)
-        self.model.train()
-        logits = self.model(x)
-        loss = self.loss_fn(logits, y)
-        self.engine.backward(loss)
-        correct = int((logits.argmax(1) == y).sum())
+        loss, correct = self.precision.train_step(self.model, self.engine, self.loss_fn, x, y)
         if self._reports:
-            self.engine.sync.report(loss.item(), correct, len(y))
-        return loss.item(), correct
+            self.engine.sync.report(loss, correct, len(y))
+        return loss, correct
 
     def _collect_reports(self) -> tuple[float, int]:
         from convoy.ps.wire import REPORT_TAG
@@ -183,17 +191,20 @@ class HybridServer(ParallelLayout):
         conv_ranks, fc_ranks: the two groups (created here too: group creation is collective).
         optimizer_class, hyper, lr_lambda: the update the server runs.
         timeline: records spans for the Chrome trace, or ``None``.
+        gate: clipping and fp16 unscaling of this server's layers, its group the
+            job's ranks (the conv and FC workers follow it).
     """
 
     def __init__(self, job: PSJob, rank: int, conv_ranks: list[int], fc_ranks: list[int],
                  optimizer_class: type[torch.optim.Optimizer], hyper: dict[str, Any],
-                 lr_lambda: Callable[[int], float] | None = None, timeline: Timeline | None = None):
+                 lr_lambda: Callable[[int], float] | None = None, timeline: Timeline | None = None,
+                 gate: GradientGate | None = None):
         self.job, self.rank, self.timeline = job, rank, timeline
         self._fc_first = fc_ranks[0]
         dist.new_group(conv_ranks)   # the same groups, in the same order, as HybridParallel
         dist.new_group(fc_ranks)
         self.data_rank, self.data_world_size = 0, len(conv_ranks)
-        self.engine = server_engine(job, rank, optimizer_class, hyper, lr_lambda, timeline)
+        self.engine = server_engine(job, rank, optimizer_class, hyper, lr_lambda, timeline, gate)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
         self.engine.run_step()

@@ -485,13 +485,6 @@ class TrainConfig:
         self.run.logger = tuple(self.run.logger)
         for name in self.run.logger:
             _one_of("logger", name, LOGGER_NAMES)
-        given = [_flag(f) for f, off in (("amp", "off"), ("grad_accum", 1), ("clip_grad_norm", None))
-                 if getattr(self.optim, f) != off]
-        if given and (self.sync.strategy == "ps" or self.parallel.layout == "hybrid"):
-            verb = "needs" if len(given) == 1 else "need"
-            raise UsageError(f"{', '.join(given)} {verb} --parallel data with --sync allreduce or hierarchical "
-                             "(under ps the servers, under hybrid two engines, update layers as their gradients "
-                             "arrive; no rank sees a step's whole gradient)")
 
     def _validate_ps(self, world: int) -> None:
         if self.sync.strategy != "ps":

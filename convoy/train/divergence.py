@@ -12,10 +12,10 @@ import torch.distributed as dist
 from convoy.errors import TrainingDiverged
 
 
-def divergence_hint(lr: float, amp: str, clip_grad_norm: float | None, can_clip: bool = True) -> str:
-    """What to try after a run diverged, given its settings (``can_clip``: the layout supports clipping)."""
+def divergence_hint(lr: float, amp: str, clip_grad_norm: float | None) -> str:
+    """What to try after a run diverged, given its settings."""
     tries = [f"a lower --lr (this run: {lr:g})"]
-    if clip_grad_norm is None and can_clip:
+    if clip_grad_norm is None:
         tries.append("--clip-grad-norm 1.0")
     if amp != "off":
         tries.append("--amp off")

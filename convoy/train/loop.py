@@ -30,7 +30,7 @@ from convoy.train.hierarchical import build_hierarchy
 from convoy.train.ps import build_hybrid_ps_layout, build_ps_layout
 from convoy.train.divergence import DivergenceGuard, StopAgreement, divergence_hint
 from convoy.train.metrics import MetricsWriter
-from convoy.train.optim import build_compression, lr_lambda, optimizer_spec
+from convoy.train.optim import build_compression, lr_lambda, optimizer_spec, whole_step_group
 from convoy.utils.lifetime import StopRequest
 
 @dataclass
@@ -88,8 +88,7 @@ def run(config: TrainConfig, stop: StopRequest | None = None) -> RunSummary:
         save_config(config, run_dir)
     metrics = MetricsWriter(run_dir, ctx.rank, config.run.logger)
     guard = DivergenceGuard(dist.new_group() if ctx.world_size > 1 else None,
-                            divergence_hint(config.optim.lr, config.optim.amp, config.optim.clip_grad_norm,
-                                            can_clip=config.sync.strategy != "ps" and config.parallel.layout == "data"))
+                            divergence_hint(config.optim.lr, config.optim.amp, config.optim.clip_grad_norm))
     try:
         summary = _train(config, ctx, layout, splits, sampler, total_steps, metrics, run_dir,
                          guard, session.start if session else ResumePoint(), stop)
@@ -156,6 +155,7 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
     # Every rank plans every group's clusters and builds their process groups, before any layout's groups.
     hierarchy = build_hierarchy(config, ctx, shape) if config.sync.strategy == "hierarchical" else None
     scaler = LossScaler() if config.optim.amp == "fp16" else None
+    gate_group = whole_step_group(config, ctx.world_size)
 
     def make_engine(part: nn.Module, group: dist.ProcessGroup | None) -> Engine:
         workers = dist.get_world_size(group) if group is not None else ctx.world_size
@@ -164,22 +164,25 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
             sync: SyncStrategy = hierarchy.strategy(ctx.rank, config, compressor, memory, total_steps)
         else:
             sync = AllReduce(group, compressor, memory, config.compress.warmup())
+        # Hybrid: every rank of ``group`` holds the same averaged gradient of ``part``; each adds 1/workers of it.
+        gate = GradientGate(config.optim.clip_grad_norm, scaler, gate_group, 1.0 / workers)
         return Engine(part, optimizer_class, sync, listeners=sync.listeners(),
-                      lr_lambda=lr_lambda(config.optim.lr_schedule, total_steps),
-                      gate=GradientGate(config.optim.clip_grad_norm, scaler), **hyper)
+                      lr_lambda=lr_lambda(config.optim.lr_schedule, total_steps), gate=gate, **hyper)
 
     if config.sync.strategy == "ps" and config.parallel.layout == "hybrid":
-        return build_hybrid_ps_layout(config, model, ctx, total_steps, input_shape)
+        return build_hybrid_ps_layout(config, model, ctx, total_steps, input_shape, scaler, gate_group)
     if config.sync.strategy == "ps":
-        return build_ps_layout(config, model, ctx, total_steps, input_shape)
+        return build_ps_layout(config, model, ctx, total_steps, input_shape, scaler, gate_group)
     if config.parallel.layout == "hybrid":
         return HybridParallel(model, shape.hybrid_roles(), ctx.rank, input_shape, make_engine, config.parallel.split_at,
-                              sub_batches=config.parallel.sub_batches)
+                              sub_batches=config.parallel.sub_batches, grad_accum=config.optim.grad_accum,
+                              amp=config.optim.amp, scaler=scaler)
     # A group of its own keeps the engine's collectives from interleaving with
     # the training loop's (evaluation, bookkeeping) on the default group.
     group = dist.new_group() if ctx.world_size > 1 else None
     return DataParallel(model, make_engine(model, group), ctx.rank, ctx.world_size, grad_accum=config.optim.grad_accum,
-                        amp=None if config.optim.amp == "off" else config.optim.amp, scaler=scaler)
+                        amp=config.optim.amp, scaler=scaler)
+
 
 
 def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, splits: DatasetSplits,
@@ -249,7 +252,8 @@ def _record_step(metrics: MetricsWriter, layout: ParallelLayout, step: int, epoc
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     metrics.write("step", epoch=epoch, loss=loss, train_accuracy=train_accuracy, time=elapsed,
                   compression_ratio=dense / stats.bytes_sent if stats.bytes_sent else 1.0, **stats.as_dict(),
-                  peak_rss_mb=peak_rss_mb, **layout.step_metrics(step), **layout.engine.sync.step_metrics(step))
+                  peak_rss_mb=peak_rss_mb, **layout.step_metrics(step), **layout.engine.sync.step_metrics(step),
+                  **(layout.engine.gate.step_metrics(step) if layout.engine.gate is not None else {}))
     return stats.bytes_sent
 
 

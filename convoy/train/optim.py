@@ -90,3 +90,19 @@ def build_compression(config: TrainConfig, workers: int) -> tuple[Any, Any]:
         memory = MomentumCorrection(config.optim.momentum, compress.clip_norm, workers, config.optim.weight_decay,
                                     masking=compress.momentum_masking and compress.name in SPARSE_NAMES)
     return compressor, memory
+
+
+def whole_step_group(config: TrainConfig, world_size: int) -> Any:
+    """The process group over which a step's whole gradient is spread, for clipping and fp16 loss scaling.
+
+    Every rank of the job, under ``--sync ps`` (each server holds a shard; the
+    workers follow the servers' decision) and ``--parallel hybrid`` (the conv
+    group holds one part, the FC group the other); ``None`` where each rank's
+    engine holds it all, or nothing needs it. A collective: call it on every rank.
+    """
+    import torch.distributed as dist
+
+    needed = config.optim.clip_grad_norm is not None or config.optim.amp == "fp16"
+    if not needed or world_size == 1 or (config.sync.strategy != "ps" and config.parallel.layout != "hybrid"):
+        return None
+    return dist.new_group()

@@ -7,6 +7,7 @@ from torch import nn
 
 from convoy import runtime
 from convoy.engine import Engine
+from convoy.engine.gradients import GradientGate, LossScaler
 from convoy.models import split_point
 from convoy.parallel import HybridParallel, HybridRoles, ParallelLayout
 from convoy.parallel.ps import HybridServer, ParameterServerLayout, worker_engine
@@ -33,20 +34,31 @@ def example_batch(config: TrainConfig, input_shape: tuple[int, ...], device: tor
     return torch.randn(config.data.batch_size, *input_shape, generator=torch.Generator().manual_seed(0)).to(device)
 
 
+def gate(config: TrainConfig, scaler: LossScaler | None, group: dist.ProcessGroup | None) -> GradientGate:
+    """Clipping and fp16 unscaling on the servers, whose shards' norms ``group`` (every rank) sums; the
+    workers join the same sum with nothing, and so learn each step's skip decision."""
+    return GradientGate(config.optim.clip_grad_norm, scaler, group)
+
+
 def build_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, total_steps: int,
-                    input_shape: tuple[int, ...]) -> ParameterServerLayout:
-    """This rank's server or worker, with the settings of ``config``."""
+                    input_shape: tuple[int, ...], scaler: LossScaler | None = None,
+                    gate_group: dist.ProcessGroup | None = None) -> ParameterServerLayout:
+    """This rank's server or worker, with the settings of ``config`` (``scaler``: fp16's, one per rank;
+    ``gate_group``: every rank, when clipping or loss scaling needs the whole step's norm)."""
     settings = ps_settings(config)
     optimizer_class, hyper = optimizer_spec(config)
     compressor, memory = build_compression(config, ctx.world_size - settings.servers)
     return ParameterServerLayout(model, settings, ctx.rank, ctx.world_size, optimizer_class, hyper,
                                  example_batch(config, input_shape, ctx.device),
                                  lr_lambda(config.optim.lr_schedule, total_steps), compressor=compressor, memory=memory,
-                                 warmup_steps=config.compress.warmup())
+                                 warmup_steps=config.compress.warmup(), grad_accum=config.optim.grad_accum,
+                                 amp=config.optim.amp, scaler=scaler,
+                                 gate=gate(config, scaler, gate_group))
 
 
 def build_hybrid_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, total_steps: int,
-                           input_shape: tuple[int, ...]) -> ParallelLayout:
+                           input_shape: tuple[int, ...], scaler: LossScaler | None = None,
+                           gate_group: dist.ProcessGroup | None = None) -> ParallelLayout:
     """Hybrid parallelism whose two groups exchange through parameter servers (the job's last ranks).
 
     Conv ranks push the conv layers and FC ranks the head, each to the layer's
@@ -71,13 +83,15 @@ def build_hybrid_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.C
     timeline = (Timeline(ctx.rank, "server" if ps_roles.is_server(ctx.rank) else "worker", settings.trace_steps)
                 if settings.trace_steps else None)
     if ps_roles.is_server(ctx.rank):
-        return HybridServer(job, ctx.rank, conv_ranks, fc_ranks, optimizer_class, hyper, schedule, timeline)
+        return HybridServer(job, ctx.rank, conv_ranks, fc_ranks, optimizer_class, hyper, schedule, timeline,
+                            gate(config, scaler, gate_group))
 
     def make_engine(part: nn.Module, group: dist.ProcessGroup) -> Engine:
         part_compressor, part_memory = build_compression(config, dist.get_world_size(group))
         # ``group`` is exactly the workers of ``part``'s layers, and the engine's own: PowerSGD agrees over it.
         return worker_engine(job, ctx.rank, part, optimizer_class, hyper, schedule, part_compressor, part_memory,
-                             config.compress.warmup(), timeline, group)
+                             config.compress.warmup(), timeline, group, gate(config, scaler, gate_group))
 
     return HybridParallel(model, roles, ctx.rank, input_shape, make_engine, config.parallel.split_at,
-                          sub_batches=config.parallel.sub_batches, servers=settings.servers)
+                          sub_batches=config.parallel.sub_batches, servers=settings.servers, grad_accum=config.optim.grad_accum,
+                          amp=config.optim.amp, scaler=scaler)
