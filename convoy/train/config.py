@@ -485,6 +485,13 @@ class TrainConfig:
         self.run.logger = tuple(self.run.logger)
         for name in self.run.logger:
             _one_of("logger", name, LOGGER_NAMES)
+        if self.optim.amp == "fp16" and self.compress.name != "none":
+            # The compressor's error feedback (and momentum correction's clipping and
+            # weight decay) would work on gradients still multiplied by the loss scale,
+            # and an overflowed step's infinities would stay in its memory.
+            raise UsageError(f"--amp fp16 with --compress {self.compress.name}: error feedback would keep the "
+                             "loss-scaled gradient (and an overflowed step's inf); use --amp bf16, which needs no "
+                             "loss scale, or --compress none")
 
     def _validate_ps(self, world: int) -> None:
         if self.sync.strategy != "ps":

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_precision_ps import CLIP, LENET, LOUD, STEPS, max_difference, model_state, step_records, train_runs
+from tests.ps.test_precision_ps import CLIP, LENET, LOUD, STEPS, max_difference, model_state, step_records, train_runs
 
 HYBRID = ("--parallel", "hybrid", "--conv-workers", "2", "--fc-workers", "1")
 MICRO = ("--batch-size", "8", "--grad-accum", "2", "--sub-batches", "2")   # 2 micro-batches, each in 2 pieces

@@ -177,6 +177,9 @@ def test_settings_refused_where_they_cannot_be_correct():
         TrainConfig.from_flat(clip_grad_norm=0.0).validate()
     with pytest.raises(UsageError, match="unknown --amp"):
         TrainConfig.from_flat(amp="fp8").validate()
+    with pytest.raises(UsageError, match="--amp fp16 with --compress powersgd: error feedback"):
+        TrainConfig.from_flat(amp="fp16", compress="powersgd").validate()
+    TrainConfig.from_flat(amp="bf16", compress="powersgd").validate()
     assert TrainConfig.from_flat(model="vgg_fc").validate().optim.lr == 0.0125
     assert TrainConfig.from_flat(model="vgg_fc", lr=0.2).validate().optim.lr == 0.2
     assert build_config({"logger": ["csv", "tensorboard"]}, {}).run.logger == ("csv", "tensorboard")   # a TOML list
