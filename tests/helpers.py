@@ -53,6 +53,9 @@ def _rank_entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, ar
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(fn(rank, world, *args)))
+        # Rank 0 holds the store that new groups rendezvous through: it must not exit while a rank
+        # that is still creating one (a group rank 0 is not in) needs it.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
