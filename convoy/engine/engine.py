@@ -37,7 +37,6 @@ from convoy.engine.gradients import GradientGate, check_finite
 from convoy.engine.layers import Bucket, ForwardOrderRecorder, Layer, make_buckets
 from convoy.engine.optim import LayerOptimizer, bucket_optimizer
 from convoy.errors import TrainingDiverged
-from convoy.utils.threads import AUX_THREAD_NICE, lower_priority
 
 # Default bucket size: small layers travel and update together (one collective and
 # one fused optimizer call), while the large ones still go on their own, so the
@@ -297,7 +296,6 @@ class Engine:
 
     # ------------------------------------------------------- auxiliary thread
     def _aux_main(self) -> None:
-        lower_priority(AUX_THREAD_NICE)
         try:
             while (step := self._steps.get()) is not None:
                 self._run_step(step)

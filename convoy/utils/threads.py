@@ -4,12 +4,6 @@ from __future__ import annotations
 import os
 import threading
 
-# How far the engine's auxiliary thread steps back from the training thread.
-# Its work (launching exchanges, applying updates) is short and can wait a
-# few milliseconds; the training thread's forward and backward are the step's
-# critical path. On a machine with as many busy workers as cores, an update
-# that preempts a worker's backward slows the step more than it saves.
-AUX_THREAD_NICE = 10
 # A checkpoint persister only needs to keep up: it yields to every thread that trains.
 PERSISTER_THREAD_NICE = 19
 
