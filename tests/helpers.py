@@ -19,10 +19,9 @@ from typing import Any, Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from convoy.utils.spawn import free_port
+from convoy.utils.spawn import free_port, rank_entry
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_TIMEOUT_S = 120
@@ -46,20 +45,6 @@ def require_timeout(what: str) -> None:
 
 
 # ------------------------------------------------------------------ worlds of processes
-def _rank_entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(fn(rank, world, *args)))
-        # Rank 0 holds the store that new groups rendezvous through: it must not exit while a rank
-        # that is still creating one (a group rank 0 is not in) needs it.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` new processes joined by a gloo group; return
     their results in rank order.
@@ -80,7 +65,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any
 
     require_timeout("starts a world of processes")
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank_entry, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size,
+        mp.start_processes(rank_entry, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size,
                            join=True, start_method="forkserver")
         return [pickle.loads(Path(out_dir, f"{r}.pkl").read_bytes()) for r in range(world_size)]
 
