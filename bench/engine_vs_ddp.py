@@ -1,6 +1,6 @@
 """Step time of convoy's pipelined engine against torch DDP, same model, data and world size.
 
-    python bench/engine_vs_ddp.py [--models vgg_fc resnet18] [--worlds 2 4] [--steps 20] [--round-steps 4]
+    python bench/engine_vs_ddp.py [--models vgg_fc resnet18] [--worlds 2 4] [--steps 20] [--round-steps 2]
 
 Loopback gloo, one torch thread per worker. Writes bench/results/engine_vs_ddp.{json,md}.
 """
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["vgg_fc", "resnet18"])
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per method, split into rounds")
-    parser.add_argument("--round-steps", type=int, default=4, help="steps per round (engine and DDP alternate)")
+    parser.add_argument("--round-steps", type=int, default=2, help="steps per round (engine and DDP alternate)")
     parser.add_argument("--batch", type=int, default=16, help="samples per worker")
     parser.add_argument("--bucket-kb", nargs="+", type=int, default=[DEFAULT_BUCKET_BYTES // 1024],
                         help="engine bucket sizes to measure (default: the engine's; 0: one layer per exchange)")

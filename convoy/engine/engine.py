@@ -114,7 +114,8 @@ class Engine:
 
         self._waiter = Waiter(self._raise_failure)
         self._cond = self._waiter.cond
-        self._ready_count: list[int] = []     # params of each layer whose grad arrived this step
+        self._ready_count: list[int] = []     # params of each bucket whose grad arrived this step
+        self._bucket_of: list[Bucket] = []    # each layer's bucket, by layer index
         self._updates_done: list[int] = []    # steps applied to each layer so far
         self._backward_done = -1              # last step whose backward returned
         self._steps_done = -1                 # last step the aux thread finished
@@ -146,7 +147,11 @@ class Engine:
         self._base_lrs = [[g["lr"] for g in opt.param_groups] for opt in self._bucket_optimizers]
         if self._pending_state is not None:
             self.load_optimizer_state(self._pending_state)
-        self._ready_count = [0] * len(self.layers)
+        self._ready_count = [0] * len(self.buckets)
+        self._bucket_of = [None] * len(self.layers)
+        for bucket in self.buckets:
+            for layer in bucket.layers:
+                self._bucket_of[layer.index] = bucket
         self._updates_done = [self.step] * len(self.layers)
         self._backward_done = self._steps_done = self.step - 1
         for layer in self.layers:
@@ -157,12 +162,17 @@ class Engine:
         self._thread.start()
 
     def _flag_hook(self, layer: Layer) -> Callable[[torch.Tensor], None]:
+        bucket = self._bucket_of[layer.index]
+        expected = len(bucket.params)
+
         def hook(param: torch.Tensor) -> None:
             if self._accumulating:   # not the step's last micro-batch: nothing to exchange yet
                 return
             with self._cond:
-                self._ready_count[layer.index] += 1
-                if self._ready_count[layer.index] == len(layer.params):
+                self._ready_count[bucket.index] += 1
+                # Only a whole bucket wakes the auxiliary thread: one wake-up per
+                # exchange, not one per parameter (context switches cost CPU).
+                if self._ready_count[bucket.index] == expected:
                     self._cond.notify_all()
         return hook
 
@@ -308,8 +318,7 @@ class Engine:
         in_flight: list[tuple[Bucket, PendingSync]] = []
         exchanged: list[Bucket] = []   # with a gate: buckets whose update waits for the whole step
         for bucket in self.buckets:
-            for layer in bucket.layers:
-                self._wait_ready(layer, step)                                      # 1. gradient ready
+            self._wait_ready(bucket, step)                                         # 1. gradient ready
             in_flight.append((bucket, self.sync.start(bucket, bucket.flat_grad())))   # 2. exchange
             self._finish_done(in_flight, step, exchanged)
         if self.gate is not None and self.sync.returns_parameters:
@@ -331,13 +340,14 @@ class Engine:
             self._steps_done = step
             self._cond.notify_all()
 
-    def _wait_ready(self, layer: Layer, step: int) -> None:
+    def _wait_ready(self, bucket: Bucket, step: int) -> None:
         # A layer whose parameters backward never reached (unused this step)
         # counts as ready once backward returns: its gradient is zero.
-        self._waiter.wait_for(lambda: (self._ready_count[layer.index] >= len(layer.params)
+        expected = len(bucket.params)
+        self._waiter.wait_for(lambda: (self._ready_count[bucket.index] >= expected
                                        or self._backward_done >= step))
         with self._cond:
-            self._ready_count[layer.index] = 0
+            self._ready_count[bucket.index] = 0
 
     def _finish_done(self, in_flight: list[tuple[Bucket, PendingSync]], step: int,
                      exchanged: list[Bucket]) -> None:
@@ -375,7 +385,8 @@ class Engine:
                 listener.on_layer_updated(layer, step)
             with self._cond:
                 self._updates_done[layer.index] += 1
-                self._cond.notify_all()
+        with self._cond:   # one wake-up of the next forward per bucket
+            self._cond.notify_all()
 
     def _apply_lr(self, step: int) -> None:
         if self._lr_lambda is None:
