@@ -9,6 +9,7 @@ import sys
 from convoy.cli.launch import run_ranks
 from convoy.emulation import EmulatedCluster, Topology, leftover_namespaces, parse_rate, remove_namespaces
 from convoy.errors import UsageError
+from convoy.sim.cluster import load_cluster
 
 DESCRIPTION = """\
 Build H emulated hosts (Linux network namespaces on a bridge per rack), shape
@@ -22,7 +23,15 @@ COMMAND is `train [convoy train options]`, `profile-nodes [options]` or
 
   convoy bench cluster --hosts 4 --rate 100mbit -- train --model vgg_fc --steps 50
   convoy bench cluster --hosts 4 --rate 1gbit --racks 2 --inter-rack-rate 50mbit -- train
+  convoy bench cluster --cluster straggler.toml -- train --model vgg_fc
+
+--cluster FILE reads the hosts from a cluster file in the keys of
+`convoy simulate --cluster` (nodes, rate, racks, inter_rack_rate, speeds).
+`speeds = [1, 1, 1, 0.25]` makes the last host a straggler: its processes get a
+quarter of the CPU share of the others (a cgroup CPU cap). The simulator's
+latency_ms, wake_ms, cores and lanes have no effect here.
 """
+DEFAULT_HOSTS, DEFAULT_RATE = 4, "100mbit"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -30,11 +39,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     commands = bench.add_subparsers(title="commands", metavar="COMMAND")
     cluster = commands.add_parser("cluster", help="run a job across emulated hosts with shaped links",
                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cluster.add_argument("--hosts", type=int, default=4, help="number of hosts, one rank each (default: 4)")
-    cluster.add_argument("--rate", default="100mbit", help="rate of each host's link, e.g. 100mbit, 1gbit "
-                         "(default: 100mbit)")
-    cluster.add_argument("--racks", type=int, default=1, help="racks the hosts are split into (default: 1)")
+    cluster.add_argument("--hosts", type=int, help=f"number of hosts, one rank each (default: {DEFAULT_HOSTS})")
+    cluster.add_argument("--rate", help="rate of each host's link, e.g. 100mbit, 1gbit "
+                         f"(default: {DEFAULT_RATE})")
+    cluster.add_argument("--racks", type=int, help="racks the hosts are split into (default: 1)")
     cluster.add_argument("--inter-rack-rate", help="rate of the link joining the racks (needed with --racks > 1)")
+    cluster.add_argument("--cluster", metavar="FILE", help="hosts, links and host speeds from a cluster file "
+                         "(TOML or JSON, see above) instead of --hosts/--rate/--racks")
     cluster.add_argument("--cleanup", action="store_true",
                          help="only remove namespaces left by runs that were killed, then exit")
     cluster.add_argument("command", nargs=argparse.REMAINDER, help="train [...] or SCRIPT.py [...]")
@@ -63,15 +74,36 @@ def run_cluster(args: argparse.Namespace) -> int:
         remove_namespaces(stale)
         print(f"convoy: removed {len(stale)} namespaces")
         return 0
-    topology = Topology(args.hosts, parse_rate(args.rate), args.racks,
-                        parse_rate(args.inter_rack_rate) if args.inter_rack_rate else None)
+    topology = _topology(args)
     argv = _rank_command(args.command)
     # The namespaces have no DNS; c10d warns about it on every connection.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     # SIGTERM must unwind like Ctrl-C so the namespaces are removed.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     with EmulatedCluster(topology) as cluster:
-        links = f"{args.rate} host links" + (f", {args.inter_rack_rate} between racks" if args.racks > 1 else "")
-        print(f"convoy: {args.hosts} emulated hosts in {args.racks} rack(s), {links}", flush=True)
-        return run_ranks(lambda rank: cluster.exec_prefix(rank) + argv, args.hosts,
+        print(f"convoy: {_describe(topology)}", flush=True)
+        return run_ranks(lambda rank: cluster.exec_prefix(rank) + argv, topology.hosts,
                          topology.address(0), "eth0")
+
+
+def _topology(args: argparse.Namespace) -> Topology:
+    if args.cluster is None:
+        inter = parse_rate(args.inter_rack_rate) if args.inter_rack_rate else None
+        return Topology(DEFAULT_HOSTS if args.hosts is None else args.hosts, parse_rate(args.rate or DEFAULT_RATE),
+                        1 if args.racks is None else args.racks, inter)
+    given = [flag for flag, value in (("--hosts", args.hosts), ("--rate", args.rate), ("--racks", args.racks),
+                                      ("--inter-rack-rate", args.inter_rack_rate)) if value is not None]
+    if given:
+        raise UsageError(f"--cluster FILE describes the hosts; drop {', '.join(given)} or drop --cluster")
+    cluster = load_cluster(args.cluster)
+    return Topology(cluster.nodes, cluster.rate_bps, cluster.racks, cluster.inter_rack_bps, cluster.speeds)
+
+
+def _describe(topology: Topology) -> str:
+    links = f"{topology.host_rate / 1e6:g} Mbit/s host links"
+    if topology.racks > 1:
+        links += f", {topology.inter_rack_rate / 1e6:g} Mbit/s between racks"
+    slow = [f"host {h} at {topology.relative_speed(h):g}x" for h in range(topology.hosts)
+            if topology.relative_speed(h) < 1]
+    return (f"{topology.hosts} emulated hosts in {topology.racks} rack(s), {links}"
+            + (f"; CPU capped: {', '.join(slow)}" if slow else ""))

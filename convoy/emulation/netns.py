@@ -3,8 +3,10 @@
 One "switch" namespace holds a bridge per rack; each host namespace has an
 ``eth0`` whose peer is a port of its rack's bridge; racks are joined by one
 veth pair between their bridges. Every link is shaped in both directions with
-a token-bucket filter (tbf) on the egress of both of its ends. Nothing touches
-the machine's own namespace, and everything is removed on exit.
+a token-bucket filter (tbf) on the egress of both of its ends. A host slower
+than the others (``Topology.speeds``) runs under a CPU cap
+(:mod:`convoy.emulation.cpu`). Nothing touches the machine's own namespace,
+and everything is removed on exit.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Sequence
 
 import psutil
 
+from convoy.emulation.cpu import CpuCap
 from convoy.emulation.topology import Topology
 from convoy.errors import UsageError
 
@@ -58,13 +61,16 @@ class EmulatedCluster:
         self.tag = tag or f"{PREFIX}{os.getpid()}"
         self.switch = f"{self.tag}-sw"
         self.namespaces: list[str] = []
+        self.caps: dict[int, CpuCap] = {}
 
     def host_ns(self, host: int) -> str:
         return f"{self.tag}-h{host}"
 
     def exec_prefix(self, host: int) -> list[str]:
-        """Prefix a command with this to run it on ``host``."""
-        return ["ip", "netns", "exec", self.host_ns(host)]
+        """Prefix a command with this to run it on ``host`` (under its CPU cap, if it is slower)."""
+        cap = self.caps.get(host)
+        # The cap first: `ip netns exec` mounts a fresh /sys, without the cgroup file systems.
+        return (cap.prefix() if cap else []) + ["ip", "netns", "exec", self.host_ns(host)]
 
     def __enter__(self) -> "EmulatedCluster":
         check_available()
@@ -93,6 +99,14 @@ class EmulatedCluster:
             self._link_racks(0, rack)
         for host in range(topo.hosts):
             self._add_host(host)
+        self._cap_slow_hosts()
+
+    def _cap_slow_hosts(self) -> None:
+        share = len(os.sched_getaffinity(0)) / self.topology.hosts   # an even share of the cores
+        for host in range(self.topology.hosts):
+            speed = self.topology.relative_speed(host)
+            if speed < 1:
+                self.caps[host] = CpuCap(f"{self.tag}-h{host}", speed * share).__enter__()
 
     def _add_host(self, host: int) -> None:
         ns, port = self.host_ns(host), f"h{host}"
@@ -113,7 +127,10 @@ class EmulatedCluster:
             _shape(self.switch, end, self.topology.inter_rack_rate)
 
     def teardown(self) -> None:
-        """Delete every namespace made (their links go with them); never raises."""
+        """Delete every namespace made (their links go with them) and CPU cap; never raises."""
+        for cap in self.caps.values():
+            cap.remove()
+        self.caps.clear()
         for name in reversed(self.namespaces):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
         self.namespaces.clear()

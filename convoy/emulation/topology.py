@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from convoy.errors import UsageError
 
@@ -42,16 +42,23 @@ class Topology:
     """``hosts`` hosts in ``racks`` equal racks, each host on a link of ``host_rate`` bits/s;
     racks joined by one link of ``inter_rack_rate`` bits/s.
 
+    ``speeds`` (optional, one per host) makes hosts compute slower than the
+    fastest: a host of speed 0.25 next to hosts of speed 1 gets a quarter of
+    their share of the machine's cores (a straggler).
+
     Example::
 
         >>> Topology(hosts=4, host_rate=1e9, racks=2, inter_rack_rate=50e6).rack_of(3)
         1
+        >>> Topology(hosts=4, host_rate=1e8, speeds=(1, 1, 1, 0.25)).relative_speed(3)
+        0.25
     """
 
     hosts: int
     host_rate: float
     racks: int = 1
     inter_rack_rate: float | None = None
+    speeds: tuple[float, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not 1 <= self.hosts <= 250:
@@ -62,6 +69,12 @@ class Topology:
             raise UsageError("--inter-rack-rate is required with more than one rack")
         if self.host_rate <= 0 or (self.inter_rack_rate is not None and self.inter_rack_rate <= 0):
             raise UsageError("link rates must be > 0")
+        if self.speeds and (len(self.speeds) != self.hosts or not min(self.speeds) > 0):
+            raise UsageError(f"speeds needs one value > 0 per host ({self.hosts}), got {list(self.speeds)}")
+
+    def relative_speed(self, host: int) -> float:
+        """``host``'s compute speed against the fastest host's (1.0 without ``speeds``)."""
+        return self.speeds[host] / max(self.speeds) if self.speeds else 1.0
 
     def rack_of(self, host: int) -> int:
         return host // (self.hosts // self.racks)

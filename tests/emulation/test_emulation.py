@@ -84,6 +84,48 @@ def test_bad_cluster_input_is_one_line_and_exit_2():
     assert convoy("bench", "cluster", "--", "run.sh").returncode == 2
 
 
+# Busy for a second of wall time; prints the CPU seconds it got and its cgroup.
+_SPIN = """
+import os, time
+start, cpu = time.perf_counter(), time.process_time()
+while time.perf_counter() - start < 1.0:
+    pass
+cgroup = [l for l in open('/proc/self/cgroup') if 'cpu' in l.split(':')[1].split(',') or l.startswith('0::')][0].strip()
+print(os.environ['RANK'], time.process_time() - cpu, cgroup, flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+@needs_netns
+def test_a_straggler_from_the_cluster_file_gets_a_quarter_of_a_fair_cpu_share(tmp_path):
+    (tmp_path / "cluster.toml").write_text('nodes = 2\nrate = "1gbit"\nspeeds = [1, 0.25]\n')
+    (tmp_path / "spin.py").write_text(_SPIN)
+    result = convoy("bench", "cluster", "--cluster", str(tmp_path / "cluster.toml"), "--", str(tmp_path / "spin.py"))
+    assert result.returncode == 0, result.stderr
+    assert "host 1 at 0.25x" in result.stdout
+    lines = {int(line.split()[0]): line.split() for line in result.stdout.splitlines() if line[:1].isdigit()}
+    # A fair share is 2 cores / 2 hosts per host; the cap is a quarter of that. The
+    # kernel's bandwidth control never grants more, however idle the machine is.
+    cap = 0.25 * len(os.sched_getaffinity(0)) / 2
+    assert float(lines[1][1]) <= cap * 1.2 + 0.02
+    assert lines[1][2].endswith("-h1") and not lines[0][2].endswith("-h0")
+    assert not any(p.name.endswith("-h1") for p in _cgroup_dirs())   # removed on exit
+
+
+def _cgroup_dirs() -> list:
+    from pathlib import Path
+    root = Path("/sys/fs/cgroup/cpu")
+    return list(root.rglob("convoy*-h*")) if root.exists() else []
+
+
+@pytest.mark.timeout(60)
+def test_cluster_file_and_host_flags_are_not_mixed(tmp_path):
+    (tmp_path / "cluster.toml").write_text('nodes = 2\nrate = "1gbit"\n')
+    result = convoy("bench", "cluster", "--cluster", str(tmp_path / "cluster.toml"), "--hosts", "3", "--", "train")
+    assert result.returncode == 2 and "drop --hosts" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.timeout(300)
 @needs_netns
 def test_cleanup_takes_only_namespaces_whose_maker_is_gone():
