@@ -153,8 +153,7 @@ class CheckpointListener(Listener):
         layout: Layout | None = model_store.layout if model_store is not None else None
         self._slot_of = {s.name: i for i, s in enumerate(layout.slots)} if layout else {}
         self._held = [False] * len(self._slot_of)          # slot being read by the persister
-        self._grads: dict[int, tuple[int, list[torch.Tensor], dict]] = {}   # slot -> (step, grads, hyper)
-        self._spare: dict[int, list[list[torch.Tensor]]] = {}   # slot -> gradient copies free for reuse
+        self._grads: dict[int, tuple[int, list[difflog.Chunks], dict]] = {}   # slot -> (step, update, hyper)
         self._hooked = False
         self._hook_handles: list[Any] = []
         self._step = engine.step                            # the step the auxiliary thread is in
@@ -166,8 +165,10 @@ class CheckpointListener(Listener):
         self._buffers: dict[str, torch.Tensor] = {}
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
-        self.stats = {"stall_s": 0.0, "blocked_s": 0.0, "persist_s": 0.0, "bytes_written": 0, "commits": 0,
-                      "full": 0, "differential": 0}
+        # stall_s, blocked_s: wall time held on the training path; path_cpu_s: CPU time of the
+        # training threads in this listener (less sensitive to other load); persist_*: the persister's.
+        self.stats = {"stall_s": 0.0, "blocked_s": 0.0, "path_cpu_s": 0.0, "persist_s": 0.0,
+                      "persist_cpu_s": 0.0, "bytes_written": 0, "commits": 0, "full": 0, "differential": 0}
         self._auto = _AutoFrequency(engine.step, budget) if every == "auto" else None
         self.every = 1 if every == "auto" else every
         self._every_from = 0
@@ -196,7 +197,7 @@ class CheckpointListener(Listener):
         due, logged = self.due(step), self.logs_update(step)
         if not due and not logged:
             return
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         self._raise_if_failed()
         if due:
             for name, buf in module_buffers(layer.name, layer.module):
@@ -204,6 +205,7 @@ class CheckpointListener(Listener):
         if self.model_store is not None:
             self._hand_over(layer, step, logged)
         self.stats["stall_s"] += time.perf_counter() - start
+        self.stats["path_cpu_s"] += time.thread_time() - cpu
 
     def _hand_over(self, layer: Any, step: int, logged: bool) -> None:
         """Queue the writer's part of ``layer`` at ``step``: its update (differential) or its tensors."""
@@ -242,16 +244,23 @@ class CheckpointListener(Listener):
                 self.stats["blocked_s"] += self._wait(lambda: not any(self._held[i] for i, _ in layers))
             step = self._step
             if self.logs_update(step):
+                cpu = time.thread_time()
                 hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params" and _jsonable(v)}
                 for index, params in layers:
-                    # A copy: the engine zeroes the gradient buffer right after the update.
-                    copies = self._spare_copies(index, params)
-                    for copy, p in zip(copies, params):
-                        copy.copy_(p.grad)
-                    self._grads[index] = (step, copies, hyper)
+                    # Only the non-zero runs, copied now: the engine zeroes the gradient right after the
+                    # update. One pass over the gradient's bits; no dense copy, nothing left to scan.
+                    self._grads[index] = (step, [difflog.chunks_of(p.grad) for p in params], hyper)
+                self.stats["path_cpu_s"] += time.thread_time() - cpu
         return hook
 
     def on_step_end(self, step: int, stats: Any) -> None:
+        cpu = time.thread_time()
+        try:
+            self._step_end(step)
+        finally:
+            self.stats["path_cpu_s"] += time.thread_time() - cpu
+
+    def _step_end(self, step: int) -> None:
         self._step = step + 1
         if self._auto is not None and not self._auto.decided:
             self._auto.observe(step, self.stats)
@@ -311,15 +320,16 @@ class CheckpointListener(Listener):
         updates: dict[str, Any] = {}
         try:
             while (item := self._queue.get()) is not None:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 if item[0] == "slot":
                     self._persist_slot(*item[1:], checksums, metas)
                 elif item[0] == "update":
-                    self._encode_update(*item[1:], updates)
+                    self._keep_update(*item[1:], updates)
                 else:
                     self._persist_end(*item[1:], checksums, metas, updates)
                     checksums, metas, updates = {}, {}, {}
                 self.stats["persist_s"] += time.perf_counter() - start
+                self.stats["persist_cpu_s"] += time.thread_time() - cpu
         except BaseException as exc:  # the auxiliary thread re-raises it
             with self._cond:
                 self._error = exc
@@ -344,24 +354,9 @@ class CheckpointListener(Listener):
             metas[store.layout.slots[index].name] = meta
         self.stats["bytes_written"] += store.layout.slots[index].nbytes
 
-    def _encode_update(self, step: int, index: int, update: tuple | None, updates: dict) -> None:
+    def _keep_update(self, step: int, index: int, update: tuple | None, updates: dict) -> None:
         name = self.model_store.layout.slots[index].name
-        if update is None:
-            updates[name] = None
-            return
-        grads, hyper = update
-        updates[name] = {"hyper": hyper, "grads": [difflog.sparse(g) for g in grads]}
-        with self._cond:   # encoded (sparse copies its values): the buffers serve a later step
-            self._spare.setdefault(index, []).append(grads)
-
-    def _spare_copies(self, index: int, params: list[nn.Parameter]) -> list[torch.Tensor]:
-        """Buffers for a copy of slot ``index``'s gradients: reused once the writer encoded them,
-        since a fresh model-sized allocation every step costs more in page faults than the copy."""
-        with self._cond:
-            spare = self._spare.get(index)
-            if spare:
-                return spare.pop()
-        return [torch.empty_like(p) for p in params]
+        updates[name] = None if update is None else (update[1], update[0])   # (hyper, chunks)
 
     def _persist_end(self, step: int, state: dict | None, extra: dict | None, full: bool, checksums: dict,
                      metas: dict, updates: dict) -> None:
@@ -413,9 +408,7 @@ class CheckpointListener(Listener):
         layout = self.model_store.layout
         if len(updates) != len(layout.slots) or self._log is None:
             raise CheckpointError(f"step {done - 1}: {len(updates)} of {len(layout.slots)} layer updates kept")
-        payload = difflog.pack({"step": done, "layers": updates})
-        self._log.append(done, payload)
-        self.stats["bytes_written"] += len(payload)
+        self.stats["bytes_written"] += self._log.append(done, difflog.pack(done, updates))
         self.stats["commits"] += checkpoint
         self.stats["differential"] += checkpoint
 
@@ -433,6 +426,7 @@ class CheckpointListener(Listener):
         self.rank_store.flush(area)
         self.rank_store.commit(area, CommitRecord(generation, done, epoch, position, [checksum],
                                                   {"rank": self.rank}))
+        self.stats["bytes_written"] += layout.slots[0].nbytes
         self._rank_gen, self._last_rank_step = generation, done
 
     def _await_peer(self, path: Path, step: int) -> None:

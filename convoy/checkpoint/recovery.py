@@ -153,8 +153,8 @@ def replay_updates(model: nn.Module, optimizer_class: type, optimizer_kwargs: di
                 continue
             optimizer, params = layers[name]
             optimizer.param_groups[0].update(change["hyper"])
-            for param, (positions, values) in zip(params, change["grads"]):
-                param.grad = dense(positions, values, param)
+            for param, encoded in zip(params, change["grads"]):
+                param.grad = dense(encoded, param)
             optimizer.step()
     out = {}
     for name, (optimizer, params) in layers.items():
