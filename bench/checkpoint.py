@@ -1,7 +1,7 @@
 """Checkpointing every step: convoy's layer-wise pipelined checkpoints against torch.save and DCP async_save.
 
     python bench/checkpoint.py [--models resnet18 vgg_fc] [--steps 8] [--rounds 2] [--batch 16] [--dir /tmp]
-                               [--compress none|blocktopk|...]
+                               [--compress none|blocktopk|...] [--modes convoy ...]
 
 Two gloo workers on loopback, one torch thread each, SGD with momentum, the
 state checkpointed after every step by:
@@ -63,9 +63,11 @@ from convoy.utils.atomic import save_atomically  # noqa: E402
 MODES = ("none", "convoy", "torch_save", "torch_save_fsync", "dcp_async")
 
 
-def modes(compress: str) -> tuple[str, ...]:
-    """With compression, also convoy without differential checkpoints (a full snapshot each time)."""
-    return MODES if compress == "none" else MODES[:2] + ("convoy_full",) + MODES[2:]
+def modes(compress: str, only: list[str] | None = None) -> tuple[str, ...]:
+    """With compression, also convoy without differential checkpoints (a full snapshot each time);
+    ``only``: just these (``none``, the baseline, always)."""
+    every = MODES if compress == "none" else MODES[:2] + ("convoy_full",) + MODES[2:]
+    return tuple(m for m in every if only is None or m == "none" or m in only)
 HYPER = {"lr": 0.01, "momentum": 0.9}
 
 
@@ -188,11 +190,12 @@ def _torch_recovery(path: Path, model) -> None:
     model.load_state_dict(torch.load(path)["model"])
 
 
-def worker(rank: int, world: int, name: str, batch: int, steps: int, root: str, rounds: int, compress: str) -> dict:
+def worker(rank: int, world: int, name: str, batch: int, steps: int, root: str, rounds: int, compress: str,
+           only: list[str] | None = None) -> dict:
     """Every mode ``rounds`` times, round-robin, so load from other jobs spreads over all of them."""
     results: dict[str, dict] = {}
     for _ in range(rounds):
-        for mode in modes(compress):
+        for mode in modes(compress, only):
             dist.barrier()
             if rank == 0:   # a fresh directory each round: no run reads another's files
                 shutil.rmtree(Path(root) / mode, ignore_errors=True)
@@ -238,18 +241,21 @@ def main() -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoints are written")
     parser.add_argument("--compress", default="none", choices=COMPRESS_NAMES,
                         help="compress the exchange (with error feedback); convoy then writes differential checkpoints")
+    parser.add_argument("--modes", nargs="+", choices=MODES + ("convoy_full",),
+                        help="run only these modes (and none, the baseline); default: all")
     args = parser.parse_args()
     rows, timelines = [], {}
     for name in args.models:
         root = Path(tempfile.mkdtemp(prefix="convoy-bench-ckpt-", dir=args.dir))
         try:
-            results = spawn(worker, 2, name, args.batch, args.steps, str(root), args.rounds, args.compress)
+            results = spawn(worker, 2, name, args.batch, args.steps, str(root), args.rounds, args.compress,
+                            args.modes)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         base = statistics.median(t for r in results for t in r["none"]["times"])
         base_cpu = statistics.median(c for r in results for c in r["none"]["cpu_s"])
-        timelines[name] = {mode: results[0][mode]["times"] for mode in modes(args.compress)}
-        for mode in modes(args.compress):
+        timelines[name] = {mode: results[0][mode]["times"] for mode in modes(args.compress, args.modes)}
+        for mode in modes(args.compress, args.modes):
             step_s = statistics.median(t for r in results for t in r[mode]["times"])
             per_step = results[0][mode].get("bytes_per_step", 0)
             recovery = results[0][mode]["recovery_s"]

@@ -17,7 +17,7 @@ area is emptied when a new snapshot starts in that area.
 Example::
 
     >>> log = DiffLog.start(path, generation=4, base_step=40)
-    >>> log.append(41, pack(41, {"fc": ({"lr": 0.1}, [chunks_of(fc.weight.grad), chunks_of(fc.bias.grad)])}))
+    >>> log.append(41, pack(41, [BucketUpdate(["fc"], {"lr": 0.1}, chunks_of(flat_grad))], skipped=[]))
     >>> [entry.step for entry in read_chain(path, 4, 40)]
     [41]
 """
@@ -195,38 +195,43 @@ def chunks_of(grad: torch.Tensor) -> Chunks:
                   flat[full * CHUNK:].clone(), flat.numel())
 
 
-def dense(encoded: Chunks, like: torch.Tensor) -> torch.Tensor:
-    """The gradient ``chunks_of`` encoded, shaped like ``like``."""
-    if encoded.numel != like.numel():
-        raise FormatError(f"a record holds {encoded.numel} values for a parameter of {like.numel()}")
-    out = torch.zeros(like.numel(), dtype=encoded.rows.dtype)
+def dense(encoded: Chunks) -> torch.Tensor:
+    """The flat gradient ``chunks_of`` encoded."""
+    out = torch.zeros(encoded.numel, dtype=encoded.rows.dtype)
     full = out.numel() // CHUNK
+    if len(encoded.tail) != out.numel() - full * CHUNK:
+        raise FormatError(f"a record's run tail of {len(encoded.tail)} values does not fit {encoded.numel}")
     out[:full * CHUNK].view(full, CHUNK).index_copy_(0, encoded.chunks.long(), encoded.rows)
     out[full * CHUNK:] = encoded.tail
-    return out.view_as(like)
+    return out
 
 
-def pack(step: int, layers: dict[str, tuple[dict, list[Chunks]] | None]) -> list[memoryview]:
+@dataclass
+class BucketUpdate:
+    """The update a step applied to layers updated together: their names (their gradients'
+    order in ``grad``), the optimizer's hyper-parameters, and the flat averaged gradient."""
+
+    layers: list[str]
+    hyper: dict[str, Any]
+    grad: Chunks
+
+
+def pack(step: int, buckets: list[BucketUpdate], skipped: list[str]) -> list[memoryview]:
     """A record's payload as buffers to write in turn (no joined copy, no pickle): a JSON
-    header naming each layer's hyper-parameters and tensor sizes, then the tensors' raw bytes."""
-    header, parts = {"step": step, "layers": []}, []
-    for name, update in layers.items():
-        if update is None:   # the step skipped this layer's update (an fp16 overflow)
-            header["layers"].append([name, None, []])
-            continue
-        hyper, grads = update
-        header["layers"].append([name, hyper, [[g.numel, str(g.rows.dtype).removeprefix("torch."),
-                                                len(g.chunks), len(g.tail)] for g in grads]])
-        parts += [raw_bytes(t) for g in grads for t in g.tensors()]
+    header (each bucket's layers, hyper-parameters and tensor sizes; the layers whose update
+    the step skipped), then the tensors' raw bytes."""
+    header = {"step": step, "skipped": skipped,
+              "buckets": [[b.layers, b.hyper, b.grad.numel, str(b.grad.rows.dtype).removeprefix("torch."),
+                           len(b.grad.chunks), len(b.grad.tail)] for b in buckets]}
     raw = json.dumps(header).encode()
-    return [memoryview(_HEAD.pack(len(raw)) + raw), *parts]
+    return [memoryview(_HEAD.pack(len(raw)) + raw), *(raw_bytes(t) for b in buckets for t in b.grad.tensors())]
 
 
 def unpack(raw: bytes) -> dict[str, Any]:
-    """``{"step", "layers": {name: None | {"hyper", "grads": [Chunks]}}}`` from a payload."""
+    """``{"step", "buckets": [BucketUpdate], "skipped": [layer name]}`` from a payload."""
     (length,) = _HEAD.unpack_from(raw)
     header = json.loads(raw[_HEAD.size:_HEAD.size + length])
-    offset, layers = _HEAD.size + length, {}
+    offset = _HEAD.size + length
     buffer = bytearray(raw)   # writable: the tensors below are views of it
 
     def take(dtype: torch.dtype, count: int) -> torch.Tensor:
@@ -239,14 +244,10 @@ def unpack(raw: bytes) -> dict[str, Any]:
         offset += size
         return out
 
-    for name, hyper, grads in header["layers"]:
-        if hyper is None:
-            layers[name] = None
-            continue
-        encoded = []
-        for numel, dtype_name, count, tail in grads:
-            dtype = dtype_of(dtype_name)
-            chunks = take(torch.int32, count)
-            encoded.append(Chunks(chunks, take(dtype, count * CHUNK).view(count, CHUNK), take(dtype, tail), numel))
-        layers[name] = {"hyper": hyper, "grads": encoded}
-    return {"step": header["step"], "layers": layers}
+    buckets = []
+    for layers, hyper, numel, dtype_name, count, tail in header["buckets"]:
+        dtype = dtype_of(dtype_name)
+        chunks = take(torch.int32, count)
+        grad = Chunks(chunks, take(dtype, count * CHUNK).view(count, CHUNK), take(dtype, tail), numel)
+        buckets.append(BucketUpdate(layers, hyper, grad))
+    return {"step": header["step"], "buckets": buckets, "skipped": header["skipped"]}

@@ -74,22 +74,49 @@ def rank_file(directory: Path, rank: int) -> Path:
 def committed_step(path: Path) -> int:
     """The newest step ``path`` can restore (an intact commit record, or a record of its
     differential log after it); -1 when none (or no file). Slot checksums are not checked."""
+    peer = PeerFile(path)
     try:
-        store = Store.open(path)
-    except (OSError, FormatError):
-        return -1
-    try:
+        return peer.committed_step()
+    finally:
+        peer.close()
+
+
+class PeerFile:
+    """Another rank's checkpoint file, polled for its newest committed step.
+
+    The file stays open between polls (opening one reads the mount table and
+    parses its layout), and is opened afresh when it was replaced (a rank
+    file is created anew when its layout changes).
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._store: Store | None = None
+        self._inode = -1
+
+    def committed_step(self) -> int:
+        try:
+            inode = os.stat(self.path).st_ino
+            if inode != self._inode:
+                self.close()
+                self._store, self._inode = Store.open(self.path), inode
+        except (OSError, FormatError):
+            self.close()
+            return -1
         newest = -1
         for area in range(AREAS):
             try:
-                record = store.record(area)
+                record = self._store.record(area)
             except FormatError:
                 continue
-            chain = read_chain(log_path(path, area), record.generation, record.step)
+            chain = read_chain(log_path(self.path, area), record.generation, record.step)
             newest = max(newest, chain[-1].step if chain else record.step)
         return newest
-    finally:
-        store.close()
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+        self._store, self._inode = None, -1
 
 
 class CheckpointListener(Listener):
@@ -153,7 +180,7 @@ class CheckpointListener(Listener):
         layout: Layout | None = model_store.layout if model_store is not None else None
         self._slot_of = {s.name: i for i, s in enumerate(layout.slots)} if layout else {}
         self._held = [False] * len(self._slot_of)          # slot being read by the persister
-        self._grads: dict[int, tuple[int, list[difflog.Chunks], dict]] = {}   # slot -> (step, update, hyper)
+        self._grads: dict[int, tuple[int, difflog.BucketUpdate]] = {}   # slot -> (step, its bucket's update)
         self._hooked = False
         self._hook_handles: list[Any] = []
         self._step = engine.step                            # the step the auxiliary thread is in
@@ -164,11 +191,14 @@ class CheckpointListener(Listener):
         self._ends_in_flight = 0
         self._buffers: dict[str, torch.Tensor] = {}
         self._queue: queue.Queue = queue.Queue()
+        self._peers: dict[Path, PeerFile] = {}
         self._error: BaseException | None = None
         # stall_s, blocked_s: wall time held on the training path; path_cpu_s: CPU time of the
         # training threads in this listener (less sensitive to other load); persist_*: the persister's.
+        # Of persist_cpu_s: state_cpu_s this rank's own file, log_cpu_s the differential records.
         self.stats = {"stall_s": 0.0, "blocked_s": 0.0, "path_cpu_s": 0.0, "persist_s": 0.0,
-                      "persist_cpu_s": 0.0, "bytes_written": 0, "commits": 0, "full": 0, "differential": 0}
+                      "persist_cpu_s": 0.0, "state_cpu_s": 0.0, "log_cpu_s": 0.0, "bytes_written": 0,
+                      "commits": 0, "full": 0, "differential": 0}
         self._auto = _AutoFrequency(engine.step, budget) if every == "auto" else None
         self.every = 1 if every == "auto" else every
         self._every_from = 0
@@ -212,7 +242,7 @@ class CheckpointListener(Listener):
         index = self._slot_of[layer.name]
         if logged:
             captured = self._grads.get(index)
-            update = captured[1:] if captured is not None and captured[0] == step else None
+            update = captured[1] if captured is not None and captured[0] == step else None
             self._queue.put(("update", step, index, update))   # None: the update was skipped
             return
         tensors, meta = layer_sources(layer.module, layer.params, self.engine.optimizers[layer.index],
@@ -229,27 +259,37 @@ class CheckpointListener(Listener):
         self._hooked = True
         if self.model_store is None:
             return
-        slots: dict[int, list[tuple[int, list[nn.Parameter]]]] = {}
-        owners = {}
+        groups: dict[int, tuple[torch.optim.Optimizer, list[Any]]] = {}
         for layer in self.engine.layers:
             optimizer = self.engine.optimizers[layer.index].optimizer
-            owners[id(optimizer)] = optimizer
-            slots.setdefault(id(optimizer), []).append((self._slot_of[layer.name], layer.params))
-        self._hook_handles = [optimizer.register_step_pre_hook(self._make_pre_hook(slots[key]))
-                              for key, optimizer in owners.items()]
+            groups.setdefault(id(optimizer), (optimizer, []))[1].append(layer)
+        buckets = {id(self.engine.optimizers[b.layers[0].index].optimizer): b
+                   for b in getattr(self.engine, "buckets", [])}
+        self._hook_handles = [optimizer.register_step_pre_hook(self._make_pre_hook(layers, buckets.get(key)))
+                              for key, (optimizer, layers) in groups.items()]
 
-    def _make_pre_hook(self, layers: list[tuple[int, list[nn.Parameter]]]) -> Any:
+    def _make_pre_hook(self, layers: list[Any], bucket: Any) -> Any:
+        indices = [self._slot_of[layer.name] for layer in layers]
+        order = bucket.layers if bucket is not None else layers   # the flat gradient's layer order
+        names = [layer.name for layer in order]
+
+        def flat_grad() -> torch.Tensor:
+            if bucket is not None:
+                return bucket.flat_grad()   # the bucket's buffer: every p.grad is a view into it
+            return torch.cat([p.grad.reshape(-1) for layer in order for p in layer.params])
+
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            if any(self._held[index] for index, _ in layers):
-                self.stats["blocked_s"] += self._wait(lambda: not any(self._held[i] for i, _ in layers))
+            if any(self._held[index] for index in indices):
+                self.stats["blocked_s"] += self._wait(lambda: not any(self._held[i] for i in indices))
             step = self._step
             if self.logs_update(step):
                 cpu = time.thread_time()
                 hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params" and _jsonable(v)}
-                for index, params in layers:
-                    # Only the non-zero runs, copied now: the engine zeroes the gradient right after the
-                    # update. One pass over the gradient's bits; no dense copy, nothing left to scan.
-                    self._grads[index] = (step, [difflog.chunks_of(p.grad) for p in params], hyper)
+                # Only the non-zero runs, copied now: the engine zeroes the gradient right after the
+                # update. One pass over the bucket's bits; no dense copy, nothing left to scan.
+                update = difflog.BucketUpdate(names, hyper, difflog.chunks_of(flat_grad()))
+                for index in indices:
+                    self._grads[index] = (step, update)
                 self.stats["path_cpu_s"] += time.thread_time() - cpu
         return hook
 
@@ -354,9 +394,8 @@ class CheckpointListener(Listener):
             metas[store.layout.slots[index].name] = meta
         self.stats["bytes_written"] += store.layout.slots[index].nbytes
 
-    def _keep_update(self, step: int, index: int, update: tuple | None, updates: dict) -> None:
-        name = self.model_store.layout.slots[index].name
-        updates[name] = None if update is None else (update[1], update[0])   # (hyper, chunks)
+    def _keep_update(self, step: int, index: int, update: difflog.BucketUpdate | None, updates: dict) -> None:
+        updates[self.model_store.layout.slots[index].name] = update   # None: the step skipped the layer
 
     def _persist_end(self, step: int, state: dict | None, extra: dict | None, full: bool, checksums: dict,
                      metas: dict, updates: dict) -> None:
@@ -408,11 +447,16 @@ class CheckpointListener(Listener):
         layout = self.model_store.layout
         if len(updates) != len(layout.slots) or self._log is None:
             raise CheckpointError(f"step {done - 1}: {len(updates)} of {len(layout.slots)} layer updates kept")
-        self.stats["bytes_written"] += self._log.append(done, difflog.pack(done, updates))
+        cpu = time.thread_time()
+        buckets = list({id(u): u for u in updates.values() if u is not None}.values())
+        skipped = [name for name, update in updates.items() if update is None]
+        self.stats["bytes_written"] += self._log.append(done, difflog.pack(done, buckets, skipped))
+        self.stats["log_cpu_s"] += time.thread_time() - cpu
         self.stats["commits"] += checkpoint
         self.stats["differential"] += checkpoint
 
     def _persist_rank_state(self, done: int, epoch: int, position: int, state: dict) -> None:
+        cpu = time.thread_time()
         layout = rank_layout(state, {"rank": self.rank})
         if self.rank_store is None or self.rank_store.layout.signature() != layout.signature():
             if self.rank_store is not None:
@@ -427,12 +471,14 @@ class CheckpointListener(Listener):
         self.rank_store.commit(area, CommitRecord(generation, done, epoch, position, [checksum],
                                                   {"rank": self.rank}))
         self.stats["bytes_written"] += layout.slots[0].nbytes
+        self.stats["state_cpu_s"] += time.thread_time() - cpu
         self._rank_gen, self._last_rank_step = generation, done
 
     def _await_peer(self, path: Path, step: int) -> None:
         deadline = time.monotonic() + self._timeout
         pause = _POLL_S[0]
-        while committed_step(path) < step:
+        peer = self._peers.setdefault(path, PeerFile(path))
+        while peer.committed_step() < step:
             if time.monotonic() > deadline:
                 raise CheckpointError(f"{path} did not reach step {step} within {self._timeout:.0f} s")
             time.sleep(pause)
@@ -466,6 +512,8 @@ class CheckpointListener(Listener):
         for store in (self.model_store, self.rank_store):
             if store is not None:
                 store.close()
+        for peer in self._peers.values():
+            peer.close()
         if self._log is not None:
             self._log.close()
         self._raise_if_failed()

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from convoy.checkpoint import CheckpointSettings, start_checkpointing
-from convoy.checkpoint.difflog import CHUNK, chunks_of, dense, log_path, pack, unpack
+from convoy.checkpoint.difflog import CHUNK, BucketUpdate, chunks_of, dense, log_path, pack, unpack
 from convoy.checkpoint.recovery import read_updates, replay_updates, restore_model, restore_points, scan, valid_steps
 from convoy.checkpoint.store import Store
 from convoy.models.lenet import lenet
@@ -82,10 +82,12 @@ def test_updates_round_trip_bit_for_bit_negative_zero_included():
     for source in (grad, view, grad.double(), grad.half()):
         encoded = chunks_of(source)
         assert encoded.chunks.tolist() == [1, 3]
-        payload = b"".join(bytes(part) for part in pack(7, {"fc": ({"lr": 0.1}, [encoded])}))
+        payload = b"".join(bytes(part) for part in pack(7, [BucketUpdate(["fc"], {"lr": 0.1}, encoded)], ["bn"]))
         decoded = unpack(payload)
-        assert decoded["step"] == 7 and decoded["layers"]["fc"]["hyper"] == {"lr": 0.1}
-        back = dense(decoded["layers"]["fc"]["grads"][0], source)
+        assert decoded["step"] == 7 and decoded["skipped"] == ["bn"]
+        (bucket,) = decoded["buckets"]
+        assert bucket.layers == ["fc"] and bucket.hyper == {"lr": 0.1}
+        back = dense(bucket.grad)
         bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[source.element_size()]
         assert torch.equal(back.view(bits), source.view(bits))
 
