@@ -1,7 +1,7 @@
 """Checkpointing every step: convoy's layer-wise pipelined checkpoints against torch.save and DCP async_save.
 
     python bench/checkpoint.py [--models resnet18 vgg_fc] [--steps 8] [--rounds 2] [--batch 16] [--dir /tmp]
-                               [--compress none|blocktopk|...]
+                               [--compress none|blocktopk|...] [--modes convoy ...]
 
 Two gloo workers on loopback, one torch thread each, SGD with momentum, the
 state checkpointed after every step by:
@@ -25,7 +25,10 @@ state checkpointed after every step by:
 Reported per mode: median step time (modes run round-robin, ``--rounds`` times), overhead against none, the stall on the
 training path per checkpoint (convoy: time in the listener on the auxiliary
 thread; torch.save: the call; DCP: the call plus waiting for the previous
-save), MB written per second, and recovery time (convoy: open, verify every
+save), CPU time per step (every thread of each worker's process, less sensitive than the
+step time to other jobs on the machine) against none, convoy's CPU time per step on the
+training threads (in the listener) and on its persister thread, MB written per checkpoint
+(convoy: rank 0's model file and its own state file) and per second, and recovery time (convoy: open, verify every
 checksum, copy into a model; torch: torch.load plus load_state_dict). Writes
 bench/results/checkpoint.{json,md,png}
 (``checkpoint_<compressor>.*`` with ``--compress``: the exchange is then compressed with
@@ -47,7 +50,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, save, spawn  # noqa: E402
-from bench.engine_vs_ddp import _batch, _model, _timed  # noqa: E402
+from bench.engine_vs_ddp import WARMUP, _batch, _model  # noqa: E402
 from convoy.checkpoint import CheckpointSettings, start_checkpointing  # noqa: E402
 from convoy.checkpoint.fsinfo import fs_info  # noqa: E402
 from convoy.checkpoint.recovery import read_updates, replay_updates, restore_model, restore_points, scan  # noqa: E402
@@ -60,9 +63,11 @@ from convoy.utils.atomic import save_atomically  # noqa: E402
 MODES = ("none", "convoy", "torch_save", "torch_save_fsync", "dcp_async")
 
 
-def modes(compress: str) -> tuple[str, ...]:
-    """With compression, also convoy without differential checkpoints (a full snapshot each time)."""
-    return MODES if compress == "none" else MODES[:2] + ("convoy_full",) + MODES[2:]
+def modes(compress: str, only: list[str] | None = None) -> tuple[str, ...]:
+    """With compression, also convoy without differential checkpoints (a full snapshot each time);
+    ``only``: just these (``none``, the baseline, always)."""
+    every = MODES if compress == "none" else MODES[:2] + ("convoy_full",) + MODES[2:]
+    return tuple(m for m in every if only is None or m == "none" or m in only)
 HYPER = {"lr": 0.01, "momentum": 0.9}
 
 
@@ -121,15 +126,18 @@ def _run_mode(rank: int, mode: str, name: str, batch: int, steps: int, root: Pat
         if session is not None:
             session.listener.flush()
 
-    times = _timed(step, finish, steps)
+    times, cpu = _timed(step, finish, steps)
     if pending[0] is not None:
         pending[0].result()
     engine.close()
-    out = {"times": times, "stall_s": statistics.mean(stalls) if stalls else 0.0}
+    out = {"times": times, "cpu_s": cpu, "stall_s": statistics.mean(stalls) if stalls else 0.0}
     if session is not None:
         stats = session.listener.stats
         session.listener.close()
         out["stall_s"] = stats["stall_s"] / max(stats["commits"] or steps, 1)
+        # Per step, warm-up included (the listener's counters start with the run).
+        out["path_cpu_s"] = stats["path_cpu_s"] / (steps + WARMUP)
+        out["persist_cpu_s"] = stats["persist_cpu_s"] / (steps + WARMUP)
         out["bytes_per_step"] = stats["bytes_written"] / max(stats["commits"], 1)
         if rank == 0:
             out["recovery_s"] = _best_of(3, lambda: _convoy_recovery(directory, model))
@@ -139,6 +147,23 @@ def _run_mode(rank: int, mode: str, name: str, batch: int, steps: int, root: Pat
     elif mode == "dcp_async":
         out["bytes_per_step"] = sum(f.stat().st_size for f in (directory / f"s{engine.step}").glob("*"))
     return out
+
+
+def _timed(step, finish, steps: int) -> tuple[list[float], float]:
+    """Each step's wall time (the drain added to the last) and the CPU seconds per step of every
+    thread of the process (less sensitive to other jobs on the machine than the wall time)."""
+    for _ in range(WARMUP):
+        step()
+    finish()
+    times, cpu = [], time.process_time()
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    finish()
+    times[-1] += time.perf_counter() - start
+    return times, (time.process_time() - cpu) / steps
 
 
 def _best_of(repeats: int, action) -> float:
@@ -165,18 +190,24 @@ def _torch_recovery(path: Path, model) -> None:
     model.load_state_dict(torch.load(path)["model"])
 
 
-def worker(rank: int, world: int, name: str, batch: int, steps: int, root: str, rounds: int, compress: str) -> dict:
+def worker(rank: int, world: int, name: str, batch: int, steps: int, root: str, rounds: int, compress: str,
+           only: list[str] | None = None) -> dict:
     """Every mode ``rounds`` times, round-robin, so load from other jobs spreads over all of them."""
     results: dict[str, dict] = {}
     for _ in range(rounds):
-        for mode in modes(compress):
+        for mode in modes(compress, only):
             dist.barrier()
             if rank == 0:   # a fresh directory each round: no run reads another's files
                 shutil.rmtree(Path(root) / mode, ignore_errors=True)
             dist.barrier()
             out = _run_mode(rank, mode, name, batch, steps, Path(root), compress)
-            merged = results.setdefault(mode, {"times": [], "stall_s": [], "recovery_s": []})
+            merged = results.setdefault(mode, {"times": [], "cpu_s": [], "stall_s": [], "recovery_s": [],
+                                               "path_cpu_s": [], "persist_cpu_s": []})
             merged["times"] += out["times"]
+            merged["cpu_s"].append(out["cpu_s"])
+            for key in ("path_cpu_s", "persist_cpu_s"):
+                if key in out:
+                    merged[key].append(out[key])
             merged["stall_s"].append(out["stall_s"])
             merged["bytes_per_step"] = out.get("bytes_per_step", 0)
             if "recovery_s" in out:
@@ -210,22 +241,32 @@ def main() -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoints are written")
     parser.add_argument("--compress", default="none", choices=COMPRESS_NAMES,
                         help="compress the exchange (with error feedback); convoy then writes differential checkpoints")
+    parser.add_argument("--modes", nargs="+", choices=MODES + ("convoy_full",),
+                        help="run only these modes (and none, the baseline); default: all")
     args = parser.parse_args()
     rows, timelines = [], {}
     for name in args.models:
         root = Path(tempfile.mkdtemp(prefix="convoy-bench-ckpt-", dir=args.dir))
         try:
-            results = spawn(worker, 2, name, args.batch, args.steps, str(root), args.rounds, args.compress)
+            results = spawn(worker, 2, name, args.batch, args.steps, str(root), args.rounds, args.compress,
+                            args.modes)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         base = statistics.median(t for r in results for t in r["none"]["times"])
-        timelines[name] = {mode: results[0][mode]["times"] for mode in modes(args.compress)}
-        for mode in modes(args.compress):
+        base_cpu = statistics.median(c for r in results for c in r["none"]["cpu_s"])
+        timelines[name] = {mode: results[0][mode]["times"] for mode in modes(args.compress, args.modes)}
+        for mode in modes(args.compress, args.modes):
             step_s = statistics.median(t for r in results for t in r[mode]["times"])
             per_step = results[0][mode].get("bytes_per_step", 0)
             recovery = results[0][mode]["recovery_s"]
+            cpu = statistics.median(c for r in results for c in r[mode]["cpu_s"])
+            path_cpu = [c for r in results for c in r[mode]["path_cpu_s"]]
+            persist_cpu = [c for r in results for c in r[mode]["persist_cpu_s"]]
             rows.append({"model": name, "mode": mode, "median_step_s": step_s,
                          "overhead_%": 100 * (step_s / base - 1),
+                         "cpu_per_step_s": cpu, "cpu_overhead_%": 100 * (cpu / base_cpu - 1),
+                         "path_cpu_ms": 1000 * statistics.median(path_cpu) if path_cpu else "",
+                         "persist_cpu_ms": 1000 * statistics.median(persist_cpu) if persist_cpu else "",
                          "stall_ms": 1000 * statistics.median(results[0][mode]["stall_s"]),
                          "MB_per_ckpt": per_step / 1e6, "MB_written_per_s": per_step / 1e6 / step_s,
                          "recovery_s": min(recovery) if recovery else ""})
@@ -234,8 +275,8 @@ def main() -> None:
                 "optimizer": "sgd momentum", "checkpoint_fs": fs_info(args.dir).describe(),
                 "note": "2-core machine shared with other jobs: figures are noisy"}
     stem = "checkpoint" if args.compress == "none" else f"checkpoint_{args.compress}"
-    save(stem, settings, rows, ["model", "mode", "median_step_s", "overhead_%", "stall_ms", "MB_per_ckpt",
-                                        "MB_written_per_s", "recovery_s"])
+    save(stem, settings, rows, ["model", "mode", "median_step_s", "overhead_%", "cpu_overhead_%", "path_cpu_ms",
+                                "persist_cpu_ms", "stall_ms", "MB_per_ckpt", "MB_written_per_s", "recovery_s"])
     _plot(timelines, RESULTS / f"{stem}.png")
 
 

@@ -133,9 +133,16 @@ def _checkpoint(name: str) -> Callable[[], str]:
 
 
 def _checkpoint_table(rows: list[Row]) -> str:
-    return table(["model", "mode", "median step", "overhead", "stall / ckpt", "MB / ckpt", "recovery"],
+    def cpu(r: Row) -> str:
+        return "" if r["mode"] == "none" or "cpu_overhead_%" not in r else f"{r['cpu_overhead_%']:+.1f}%"
+
+    def listener(r: Row) -> str:
+        return "" if r.get("path_cpu_ms") in (None, "") else f"{r['path_cpu_ms']:.3g} / {r['persist_cpu_ms']:.3g} ms"
+
+    return table(["model", "mode", "median step", "overhead", "CPU overhead", "listener CPU / step (training / persister)",
+                  "stall / ckpt", "MB / ckpt", "recovery"],
                  [[r["model"], r["mode"], seconds(r["median_step_s"]),
-                   "" if r["mode"] == "none" else f"{r['overhead_%']:+.1f}%",
+                   "" if r["mode"] == "none" else f"{r['overhead_%']:+.1f}%", cpu(r), listener(r),
                    "" if r["mode"] == "none" else f"{r['stall_ms']:.3g} ms",
                    "" if r["mode"] == "none" else number(r["MB_per_ckpt"]),
                    seconds(r.get("recovery_s"), missing="")] for r in rows])

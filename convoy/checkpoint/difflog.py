@@ -17,13 +17,13 @@ area is emptied when a new snapshot starts in that area.
 Example::
 
     >>> log = DiffLog.start(path, generation=4, base_step=40)
-    >>> log.append(41, payload)
+    >>> log.append(41, pack(41, [BucketUpdate(["fc"], {"lr": 0.1}, chunks_of(flat_grad))], skipped=[]))
     >>> [entry.step for entry in read_chain(path, 4, 40)]
     [41]
 """
 from __future__ import annotations
 
-import io
+import json
 import os
 import struct
 import zlib
@@ -34,13 +34,13 @@ from typing import Any
 import torch
 
 from convoy.checkpoint import faults
-from convoy.checkpoint.format import FormatError
-from convoy.checkpoint.store import AREA_NAMES
+from convoy.checkpoint.format import FormatError, dtype_of
+from convoy.checkpoint.store import AREA_NAMES, raw_bytes, write_all
 from convoy.utils.atomic import sync_folder
 
 _LOG_HEAD = struct.Struct("<8sQQ")      # magic, base generation, base step
 _RECORD_HEAD = struct.Struct("<8sQQI")  # magic, step, payload length, payload crc32
-LOG_MAGIC = b"CVDIFFLG"
+LOG_MAGIC = b"CVDIFFL2"   # version 2: raw records (version 1 pickled them; its logs are ignored)
 RECORD_MAGIC = b"CVDIFFRC"
 
 
@@ -86,14 +86,20 @@ class DiffLog:
         os.fdatasync(fd)
         return cls(path, fd, end)
 
-    def append(self, step: int, payload: bytes) -> None:
-        """Add the record of ``step`` and make it durable; the magic goes last."""
-        head = _RECORD_HEAD.pack(RECORD_MAGIC, step, len(payload), zlib.crc32(payload))
-        os.pwrite(self._fd, head[8:] + payload, self.end + 8)
+    def append(self, step: int, payload: list[memoryview]) -> int:
+        """Add the record of ``step`` (its payload's buffers, in order) and make it durable; the
+        magic goes last. Returns the record's bytes."""
+        length, checksum = 0, 0
+        for part in payload:
+            length += len(part)
+            checksum = zlib.crc32(part, checksum)
+        head = _RECORD_HEAD.pack(RECORD_MAGIC, step, length, checksum)
+        write_all(self._fd, [memoryview(head)[8:], *payload], self.end + 8)
         faults.halfway("update", step)
         os.pwrite(self._fd, head[:8], self.end)
         os.fdatasync(self._fd)
-        self.end += len(head) + len(payload)
+        self.end += len(head) + length
+        return len(head) + length
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -137,33 +143,111 @@ def read_chain(path: Path, generation: int, base_step: int, verify: bool = False
 
 
 def read_payload(path: Path, entry: Entry) -> dict[str, Any]:
-    """The update of one record, its checksum checked; FormatError when damaged."""
+    """The update of one record (see :func:`unpack`), its checksum checked; FormatError when damaged."""
     with open(path, "rb") as f:
         f.seek(entry.offset)
         raw = f.read(entry.length)
     if len(raw) != entry.length or zlib.crc32(raw) != entry.checksum:
         raise FormatError(f"{path.name}: the record of step {entry.step} is damaged (checksum mismatch)")
-    return torch.load(io.BytesIO(raw), weights_only=True)
+    return unpack(raw)
 
 
 # ------------------------------------------------------------------ the update
-def sparse(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(positions, values)`` of the non-zero elements of ``grad``, -0.0 included (bit-exact)."""
+CHUNK = 64   # elements per run of a gradient that a record keeps or drops as a whole
+_HEAD = struct.Struct("<I")   # the JSON header's length, at the start of a payload
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass
+class Chunks:
+    """A gradient as its runs of ``CHUNK`` elements that hold a non-zero bit (-0.0 included).
+
+    ``chunks`` are the runs' indices (int32), ``rows`` their values
+    (``len(chunks) x CHUNK``) and ``tail`` the last ``numel % CHUNK`` elements,
+    kept whatever they are. Block-sparse updates (whole filters, rows) fill
+    their runs: finding them is one min/max pass over the gradient's bits,
+    much cheaper than finding every non-zero element, and no dense copy.
+    """
+
+    chunks: torch.Tensor
+    rows: torch.Tensor
+    tail: torch.Tensor
+    numel: int
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.chunks, self.rows, self.tail]
+
+
+def chunks_of(grad: torch.Tensor) -> Chunks:
+    """The non-zero runs of ``grad``: copies of them, so ``grad`` may change afterwards."""
     flat = grad.detach().reshape(-1)
-    bits = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
-    index = torch.nonzero(bits).view(-1)
-    positions = index.to(torch.int32) if flat.numel() < 2 ** 31 else index
-    return positions, flat[index]
+    full = flat.numel() // CHUNK
+    head = flat[:full * CHUNK]
+    bits = head.view(_BITS[flat.element_size()])
+    if flat.element_size() == 4 and bits.storage_offset() % 2 == 0:
+        bits = bits.view(torch.int64)   # two elements a word: half the reduction's work
+    if full:
+        low, high = torch.aminmax(bits.view(full, -1), dim=1)   # a run is zero iff its bits' min and max are
+        index = torch.nonzero(low.ne(0).logical_or_(high.ne(0))).view(-1)
+    else:
+        index = torch.zeros(0, dtype=torch.long)
+    return Chunks(index.to(torch.int32), head.view(full, CHUNK).index_select(0, index),
+                  flat[full * CHUNK:].clone(), flat.numel())
 
 
-def dense(positions: torch.Tensor, values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The gradient ``sparse`` encoded, shaped like ``like``."""
-    out = torch.zeros(like.numel(), dtype=values.dtype)
-    out[positions.long()] = values
-    return out.view_as(like)
+def dense(encoded: Chunks) -> torch.Tensor:
+    """The flat gradient ``chunks_of`` encoded."""
+    out = torch.zeros(encoded.numel, dtype=encoded.rows.dtype)
+    full = out.numel() // CHUNK
+    if len(encoded.tail) != out.numel() - full * CHUNK:
+        raise FormatError(f"a record's run tail of {len(encoded.tail)} values does not fit {encoded.numel}")
+    out[:full * CHUNK].view(full, CHUNK).index_copy_(0, encoded.chunks.long(), encoded.rows)
+    out[full * CHUNK:] = encoded.tail
+    return out
 
 
-def pack(update: dict[str, Any]) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(update, buffer)
-    return buffer.getvalue()
+@dataclass
+class BucketUpdate:
+    """The update a step applied to layers updated together: their names (their gradients'
+    order in ``grad``), the optimizer's hyper-parameters, and the flat averaged gradient."""
+
+    layers: list[str]
+    hyper: dict[str, Any]
+    grad: Chunks
+
+
+def pack(step: int, buckets: list[BucketUpdate], skipped: list[str]) -> list[memoryview]:
+    """A record's payload as buffers to write in turn (no joined copy, no pickle): a JSON
+    header (each bucket's layers, hyper-parameters and tensor sizes; the layers whose update
+    the step skipped), then the tensors' raw bytes."""
+    header = {"step": step, "skipped": skipped,
+              "buckets": [[b.layers, b.hyper, b.grad.numel, str(b.grad.rows.dtype).removeprefix("torch."),
+                           len(b.grad.chunks), len(b.grad.tail)] for b in buckets]}
+    raw = json.dumps(header).encode()
+    return [memoryview(_HEAD.pack(len(raw)) + raw), *(raw_bytes(t) for b in buckets for t in b.grad.tensors())]
+
+
+def unpack(raw: bytes) -> dict[str, Any]:
+    """``{"step", "buckets": [BucketUpdate], "skipped": [layer name]}`` from a payload."""
+    (length,) = _HEAD.unpack_from(raw)
+    header = json.loads(raw[_HEAD.size:_HEAD.size + length])
+    offset = _HEAD.size + length
+    buffer = bytearray(raw)   # writable: the tensors below are views of it
+
+    def take(dtype: torch.dtype, count: int) -> torch.Tensor:
+        nonlocal offset
+        size = count * torch.empty(0, dtype=dtype).element_size()
+        if offset + size > len(buffer):
+            raise FormatError("a differential record is shorter than its header says")
+        out = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset) if count else \
+            torch.empty(0, dtype=dtype)
+        offset += size
+        return out
+
+    buckets = []
+    for layers, hyper, numel, dtype_name, count, tail in header["buckets"]:
+        dtype = dtype_of(dtype_name)
+        chunks = take(torch.int32, count)
+        grad = Chunks(chunks, take(dtype, count * CHUNK).view(count, CHUNK), take(dtype, tail), numel)
+        buckets.append(BucketUpdate(layers, hyper, grad))
+    return {"step": header["step"], "buckets": buckets, "skipped": header["skipped"]}

@@ -74,22 +74,49 @@ def rank_file(directory: Path, rank: int) -> Path:
 def committed_step(path: Path) -> int:
     """The newest step ``path`` can restore (an intact commit record, or a record of its
     differential log after it); -1 when none (or no file). Slot checksums are not checked."""
+    peer = PeerFile(path)
     try:
-        store = Store.open(path)
-    except (OSError, FormatError):
-        return -1
-    try:
+        return peer.committed_step()
+    finally:
+        peer.close()
+
+
+class PeerFile:
+    """Another rank's checkpoint file, polled for its newest committed step.
+
+    The file stays open between polls (opening one reads the mount table and
+    parses its layout), and is opened afresh when it was replaced (a rank
+    file is created anew when its layout changes).
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._store: Store | None = None
+        self._inode = -1
+
+    def committed_step(self) -> int:
+        try:
+            inode = os.stat(self.path).st_ino
+            if inode != self._inode:
+                self.close()
+                self._store, self._inode = Store.open(self.path), inode
+        except (OSError, FormatError):
+            self.close()
+            return -1
         newest = -1
         for area in range(AREAS):
             try:
-                record = store.record(area)
+                record = self._store.record(area)
             except FormatError:
                 continue
-            chain = read_chain(log_path(path, area), record.generation, record.step)
+            chain = read_chain(log_path(self.path, area), record.generation, record.step)
             newest = max(newest, chain[-1].step if chain else record.step)
         return newest
-    finally:
-        store.close()
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+        self._store, self._inode = None, -1
 
 
 class CheckpointListener(Listener):
@@ -153,8 +180,7 @@ class CheckpointListener(Listener):
         layout: Layout | None = model_store.layout if model_store is not None else None
         self._slot_of = {s.name: i for i, s in enumerate(layout.slots)} if layout else {}
         self._held = [False] * len(self._slot_of)          # slot being read by the persister
-        self._grads: dict[int, tuple[int, list[torch.Tensor], dict]] = {}   # slot -> (step, grads, hyper)
-        self._spare: dict[int, list[list[torch.Tensor]]] = {}   # slot -> gradient copies free for reuse
+        self._grads: dict[int, tuple[int, difflog.BucketUpdate]] = {}   # slot -> (step, its bucket's update)
         self._hooked = False
         self._hook_handles: list[Any] = []
         self._step = engine.step                            # the step the auxiliary thread is in
@@ -165,9 +191,14 @@ class CheckpointListener(Listener):
         self._ends_in_flight = 0
         self._buffers: dict[str, torch.Tensor] = {}
         self._queue: queue.Queue = queue.Queue()
+        self._peers: dict[Path, PeerFile] = {}
         self._error: BaseException | None = None
-        self.stats = {"stall_s": 0.0, "blocked_s": 0.0, "persist_s": 0.0, "bytes_written": 0, "commits": 0,
-                      "full": 0, "differential": 0}
+        # stall_s, blocked_s: wall time held on the training path; path_cpu_s: CPU time of the
+        # training threads in this listener (less sensitive to other load); persist_*: the persister's.
+        # Of persist_cpu_s: state_cpu_s this rank's own file, log_cpu_s the differential records.
+        self.stats = {"stall_s": 0.0, "blocked_s": 0.0, "path_cpu_s": 0.0, "persist_s": 0.0,
+                      "persist_cpu_s": 0.0, "state_cpu_s": 0.0, "log_cpu_s": 0.0, "bytes_written": 0,
+                      "commits": 0, "full": 0, "differential": 0}
         self._auto = _AutoFrequency(engine.step, budget) if every == "auto" else None
         self.every = 1 if every == "auto" else every
         self._every_from = 0
@@ -196,7 +227,7 @@ class CheckpointListener(Listener):
         due, logged = self.due(step), self.logs_update(step)
         if not due and not logged:
             return
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         self._raise_if_failed()
         if due:
             for name, buf in module_buffers(layer.name, layer.module):
@@ -204,13 +235,14 @@ class CheckpointListener(Listener):
         if self.model_store is not None:
             self._hand_over(layer, step, logged)
         self.stats["stall_s"] += time.perf_counter() - start
+        self.stats["path_cpu_s"] += time.thread_time() - cpu
 
     def _hand_over(self, layer: Any, step: int, logged: bool) -> None:
         """Queue the writer's part of ``layer`` at ``step``: its update (differential) or its tensors."""
         index = self._slot_of[layer.name]
         if logged:
             captured = self._grads.get(index)
-            update = captured[1:] if captured is not None and captured[0] == step else None
+            update = captured[1] if captured is not None and captured[0] == step else None
             self._queue.put(("update", step, index, update))   # None: the update was skipped
             return
         tensors, meta = layer_sources(layer.module, layer.params, self.engine.optimizers[layer.index],
@@ -227,31 +259,48 @@ class CheckpointListener(Listener):
         self._hooked = True
         if self.model_store is None:
             return
-        slots: dict[int, list[tuple[int, list[nn.Parameter]]]] = {}
-        owners = {}
+        groups: dict[int, tuple[torch.optim.Optimizer, list[Any]]] = {}
         for layer in self.engine.layers:
             optimizer = self.engine.optimizers[layer.index].optimizer
-            owners[id(optimizer)] = optimizer
-            slots.setdefault(id(optimizer), []).append((self._slot_of[layer.name], layer.params))
-        self._hook_handles = [optimizer.register_step_pre_hook(self._make_pre_hook(slots[key]))
-                              for key, optimizer in owners.items()]
+            groups.setdefault(id(optimizer), (optimizer, []))[1].append(layer)
+        buckets = {id(self.engine.optimizers[b.layers[0].index].optimizer): b
+                   for b in getattr(self.engine, "buckets", [])}
+        self._hook_handles = [optimizer.register_step_pre_hook(self._make_pre_hook(layers, buckets.get(key)))
+                              for key, (optimizer, layers) in groups.items()]
 
-    def _make_pre_hook(self, layers: list[tuple[int, list[nn.Parameter]]]) -> Any:
+    def _make_pre_hook(self, layers: list[Any], bucket: Any) -> Any:
+        indices = [self._slot_of[layer.name] for layer in layers]
+        order = bucket.layers if bucket is not None else layers   # the flat gradient's layer order
+        names = [layer.name for layer in order]
+
+        def flat_grad() -> torch.Tensor:
+            if bucket is not None:
+                return bucket.flat_grad()   # the bucket's buffer: every p.grad is a view into it
+            return torch.cat([p.grad.reshape(-1) for layer in order for p in layer.params])
+
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            if any(self._held[index] for index, _ in layers):
-                self.stats["blocked_s"] += self._wait(lambda: not any(self._held[i] for i, _ in layers))
+            if any(self._held[index] for index in indices):
+                self.stats["blocked_s"] += self._wait(lambda: not any(self._held[i] for i in indices))
             step = self._step
             if self.logs_update(step):
+                cpu = time.thread_time()
                 hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params" and _jsonable(v)}
-                for index, params in layers:
-                    # A copy: the engine zeroes the gradient buffer right after the update.
-                    copies = self._spare_copies(index, params)
-                    for copy, p in zip(copies, params):
-                        copy.copy_(p.grad)
-                    self._grads[index] = (step, copies, hyper)
+                # Only the non-zero runs, copied now: the engine zeroes the gradient right after the
+                # update. One pass over the bucket's bits; no dense copy, nothing left to scan.
+                update = difflog.BucketUpdate(names, hyper, difflog.chunks_of(flat_grad()))
+                for index in indices:
+                    self._grads[index] = (step, update)
+                self.stats["path_cpu_s"] += time.thread_time() - cpu
         return hook
 
     def on_step_end(self, step: int, stats: Any) -> None:
+        cpu = time.thread_time()
+        try:
+            self._step_end(step)
+        finally:
+            self.stats["path_cpu_s"] += time.thread_time() - cpu
+
+    def _step_end(self, step: int) -> None:
         self._step = step + 1
         if self._auto is not None and not self._auto.decided:
             self._auto.observe(step, self.stats)
@@ -311,15 +360,16 @@ class CheckpointListener(Listener):
         updates: dict[str, Any] = {}
         try:
             while (item := self._queue.get()) is not None:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 if item[0] == "slot":
                     self._persist_slot(*item[1:], checksums, metas)
                 elif item[0] == "update":
-                    self._encode_update(*item[1:], updates)
+                    self._keep_update(*item[1:], updates)
                 else:
                     self._persist_end(*item[1:], checksums, metas, updates)
                     checksums, metas, updates = {}, {}, {}
                 self.stats["persist_s"] += time.perf_counter() - start
+                self.stats["persist_cpu_s"] += time.thread_time() - cpu
         except BaseException as exc:  # the auxiliary thread re-raises it
             with self._cond:
                 self._error = exc
@@ -344,24 +394,8 @@ class CheckpointListener(Listener):
             metas[store.layout.slots[index].name] = meta
         self.stats["bytes_written"] += store.layout.slots[index].nbytes
 
-    def _encode_update(self, step: int, index: int, update: tuple | None, updates: dict) -> None:
-        name = self.model_store.layout.slots[index].name
-        if update is None:
-            updates[name] = None
-            return
-        grads, hyper = update
-        updates[name] = {"hyper": hyper, "grads": [difflog.sparse(g) for g in grads]}
-        with self._cond:   # encoded (sparse copies its values): the buffers serve a later step
-            self._spare.setdefault(index, []).append(grads)
-
-    def _spare_copies(self, index: int, params: list[nn.Parameter]) -> list[torch.Tensor]:
-        """Buffers for a copy of slot ``index``'s gradients: reused once the writer encoded them,
-        since a fresh model-sized allocation every step costs more in page faults than the copy."""
-        with self._cond:
-            spare = self._spare.get(index)
-            if spare:
-                return spare.pop()
-        return [torch.empty_like(p) for p in params]
+    def _keep_update(self, step: int, index: int, update: difflog.BucketUpdate | None, updates: dict) -> None:
+        updates[self.model_store.layout.slots[index].name] = update   # None: the step skipped the layer
 
     def _persist_end(self, step: int, state: dict | None, extra: dict | None, full: bool, checksums: dict,
                      metas: dict, updates: dict) -> None:
@@ -413,13 +447,16 @@ class CheckpointListener(Listener):
         layout = self.model_store.layout
         if len(updates) != len(layout.slots) or self._log is None:
             raise CheckpointError(f"step {done - 1}: {len(updates)} of {len(layout.slots)} layer updates kept")
-        payload = difflog.pack({"step": done, "layers": updates})
-        self._log.append(done, payload)
-        self.stats["bytes_written"] += len(payload)
+        cpu = time.thread_time()
+        buckets = list({id(u): u for u in updates.values() if u is not None}.values())
+        skipped = [name for name, update in updates.items() if update is None]
+        self.stats["bytes_written"] += self._log.append(done, difflog.pack(done, buckets, skipped))
+        self.stats["log_cpu_s"] += time.thread_time() - cpu
         self.stats["commits"] += checkpoint
         self.stats["differential"] += checkpoint
 
     def _persist_rank_state(self, done: int, epoch: int, position: int, state: dict) -> None:
+        cpu = time.thread_time()
         layout = rank_layout(state, {"rank": self.rank})
         if self.rank_store is None or self.rank_store.layout.signature() != layout.signature():
             if self.rank_store is not None:
@@ -433,12 +470,15 @@ class CheckpointListener(Listener):
         self.rank_store.flush(area)
         self.rank_store.commit(area, CommitRecord(generation, done, epoch, position, [checksum],
                                                   {"rank": self.rank}))
+        self.stats["bytes_written"] += layout.slots[0].nbytes
+        self.stats["state_cpu_s"] += time.thread_time() - cpu
         self._rank_gen, self._last_rank_step = generation, done
 
     def _await_peer(self, path: Path, step: int) -> None:
         deadline = time.monotonic() + self._timeout
         pause = _POLL_S[0]
-        while committed_step(path) < step:
+        peer = self._peers.setdefault(path, PeerFile(path))
+        while peer.committed_step() < step:
             if time.monotonic() > deadline:
                 raise CheckpointError(f"{path} did not reach step {step} within {self._timeout:.0f} s")
             time.sleep(pause)
@@ -472,6 +512,8 @@ class CheckpointListener(Listener):
         for store in (self.model_store, self.rank_store):
             if store is not None:
                 store.close()
+        for peer in self._peers.values():
+            peer.close()
         if self._log is not None:
             self._log.close()
         self._raise_if_failed()

@@ -148,14 +148,18 @@ def replay_updates(model: nn.Module, optimizer_class: type, optimizer_kwargs: di
         LayerOptimizer(optimizer, params).load_state_dict({"state": states.get(name, {})})
         layers[name] = (optimizer, params)
     for update in updates:
-        for name, change in update["layers"].items():
-            if change is None:   # the step skipped this layer's update (an fp16 overflow)
-                continue
-            optimizer, params = layers[name]
-            optimizer.param_groups[0].update(change["hyper"])
-            for param, (positions, values) in zip(params, change["grads"]):
-                param.grad = dense(positions, values, param)
-            optimizer.step()
+        for bucket in update["buckets"]:   # layers whose update the step skipped (fp16 overflow) are in none
+            flat, offset = dense(bucket.grad), 0
+            for name in bucket.layers:
+                optimizer, params = layers[name]
+                for param in params:
+                    param.grad = flat[offset:offset + param.numel()].view_as(param)
+                    offset += param.numel()
+                optimizer.param_groups[0].update(bucket.hyper)
+                optimizer.step()
+            if offset != flat.numel():
+                raise FormatError(f"a record of step {update['step']} holds {flat.numel()} values for "
+                                  f"layers of {offset}")
     out = {}
     for name, (optimizer, params) in layers.items():
         for param in params:

@@ -168,12 +168,7 @@ class Store:
                 self._mm[offset:offset + len(part)] = part
                 offset += len(part)
             return total
-        done = 0
-        while done < total:   # pwritev may write less than asked (signals, huge slots)
-            wrote = os.pwritev(self._fd, parts, offset + done)
-            done += wrote
-            if done < total:
-                parts = _skip(parts, wrote)
+        write_all(self._fd, parts, offset)
         return total
 
     def flush(self, area: int) -> None:
@@ -274,6 +269,17 @@ def raw_bytes(tensor: torch.Tensor) -> memoryview:
     if not flat.is_contiguous():
         flat = flat.contiguous()
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def write_all(fd: int, parts: list[memoryview], offset: int) -> None:
+    """Write ``parts`` one after the other at ``offset`` of ``fd``: one ``pwritev``, more when
+    it writes less than asked (signals, huge slots)."""
+    total, done = sum(len(p) for p in parts), 0
+    while done < total:
+        wrote = os.pwritev(fd, parts, offset + done)
+        done += wrote
+        if done < total:
+            parts = _skip(parts, wrote)
 
 
 def _skip(parts: list[memoryview], count: int) -> list[memoryview]:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from convoy.checkpoint import CheckpointSettings, start_checkpointing
-from convoy.checkpoint.difflog import dense, log_path, sparse
+from convoy.checkpoint.difflog import CHUNK, BucketUpdate, chunks_of, dense, log_path, pack, unpack
 from convoy.checkpoint.recovery import read_updates, replay_updates, restore_model, restore_points, scan, valid_steps
 from convoy.checkpoint.store import Store
 from convoy.models.lenet import lenet
@@ -72,14 +72,24 @@ def recovered(directory: Path):
         store.close()
 
 
-def test_sparse_updates_round_trip_bit_for_bit_negative_zero_included():
-    grad = torch.zeros(5, 7)
-    grad[1] = torch.randn(7)
-    grad[3, 2] = -0.0
-    positions, values = sparse(grad)
-    back = dense(positions, values, grad)
-    assert torch.equal(back.view(torch.int32), grad.view(torch.int32))
-    assert positions.tolist() == [7, 8, 9, 10, 11, 12, 13, 23]
+def test_updates_round_trip_bit_for_bit_negative_zero_included():
+    grad = torch.zeros(5 * CHUNK + 7)
+    grad[CHUNK + 3:CHUNK + 10] = torch.randn(7)
+    grad[3 * CHUNK + 2] = -0.0
+    grad[-2] = 1.5
+    view = torch.zeros(1 + grad.numel())[1:]   # an odd offset: the bits cannot pair into 64-bit words
+    view.copy_(grad)
+    for source in (grad, view, grad.double(), grad.half()):
+        encoded = chunks_of(source)
+        assert encoded.chunks.tolist() == [1, 3]
+        payload = b"".join(bytes(part) for part in pack(7, [BucketUpdate(["fc"], {"lr": 0.1}, encoded)], ["bn"]))
+        decoded = unpack(payload)
+        assert decoded["step"] == 7 and decoded["skipped"] == ["bn"]
+        (bucket,) = decoded["buckets"]
+        assert bucket.layers == ["fc"] and bucket.hyper == {"lr": 0.1}
+        back = dense(bucket.grad)
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[source.element_size()]
+        assert torch.equal(back.view(bits), source.view(bits))
 
 
 @pytest.mark.timeout(900)
