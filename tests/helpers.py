@@ -28,8 +28,9 @@ CLI_TIMEOUT_S = 120
 
 # Forked worlds start from a server process that imported these once (seconds each), not from a
 # fresh interpreter per rank; each rank is still a process of its own with its own gloo group.
-_PRELOAD = ["torch", "torch.distributed", "torch.nn.functional", "convoy", "convoy.data", "convoy.engine",
-            "convoy.sync", "convoy.compress", "convoy.parallel"]
+_PRELOAD = ["torch", "torch.distributed", "torch.nn.functional", "torch._dynamo", "convoy", "convoy.data",
+            "convoy.engine", "convoy.sync", "convoy.compress", "convoy.parallel", "convoy.cli.main",
+            "convoy.train.loop"]
 _FORKSERVER = multiprocessing.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(_PRELOAD)
 
@@ -83,14 +84,19 @@ def convoy_in_process(*args: str) -> subprocess.CompletedProcess:
     """The convoy command with this process as its launcher: exit status, stdout and stderr.
 
     What ``convoy`` itself prints and what the worker processes it starts print (through
-    file descriptors 1 and 2) are both captured. It saves the fresh interpreter that importing
-    torch costs; tests of the launcher process itself (signals, exit statuses) use :func:`convoy`.
+    file descriptors 1 and 2) are both captured. The launcher is convoy's own (rendezvous,
+    supervision, error reports); only its workers start differently: forked from the fork server
+    that imported torch and convoy once (:class:`ForkedRank`), not as fresh interpreters that
+    import them again (seconds of CPU each). Tests of the launcher process itself and of what a
+    fresh worker process does (signals, exit statuses) use :func:`convoy`.
     """
+    from convoy.cli import launch
     from convoy.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     with tempfile.TemporaryFile("w+") as out_fd, tempfile.TemporaryFile("w+") as err_fd:
-        with _file_descriptors_to(out_fd, err_fd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with _file_descriptors_to(out_fd, err_fd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                _attribute(launch, "subprocess", _FORKED_SUBPROCESS):
             try:
                 code = main(list(args))
             except SystemExit as exc:   # argparse's own errors
@@ -101,6 +107,63 @@ def convoy_in_process(*args: str) -> subprocess.CompletedProcess:
         err_fd.seek(0)
         return subprocess.CompletedProcess(["convoy", *args], code, out_fd.read() + out.getvalue(),
                                            err_fd.read() + err.getvalue())
+
+
+class ForkedRank:
+    """A worker of convoy's launcher forked from the tests' fork server, with the part of
+    :class:`subprocess.Popen` the launcher uses (``pid``, ``poll``, ``wait``, ``returncode``).
+
+    The rank runs ``python -m convoy ARGV[3:]`` as ``convoy.cli.main.main(ARGV[3:])`` in a process
+    of its own: in its own process group (what ``process_group=0`` asks), in the launcher's current
+    directory and environment, its output on the launcher's file descriptors 1 and 2.
+    """
+
+    def __init__(self, argv: list[str], env: dict[str, str], **_: Any):
+        assert argv[1:3] == ["-m", "convoy"], argv
+        self._process = _FORKSERVER.Process(target=_forked_rank_main, args=(argv[3:], env, os.getcwd(), os.getpid()))
+        self._process.start()
+        self.pid = self._process.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._process.join(timeout)
+        return self.poll()
+
+
+def _forked_rank_main(argv: list[str], env: dict[str, str], cwd: str, launcher: int) -> None:
+    from convoy.cli.main import main
+
+    os.setpgid(0, 0)
+    for fd in (1, 2):   # the launcher's, as a child of the launcher would inherit them
+        with contextlib.suppress(OSError):
+            target = os.open(f"/proc/{launcher}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+            os.dup2(target, fd)
+            os.close(target)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    # What a fresh interpreter would have found on PYTHONPATH (users' model files).
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.exit(main(argv))
+
+
+_FORKED_SUBPROCESS = type("ForkedSubprocess", (), {"Popen": ForkedRank})
+
+
+@contextlib.contextmanager
+def _attribute(owner: object, name: str, value: object):
+    """Set ``owner.name`` to ``value`` for the block."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
 
 
 @contextlib.contextmanager
