@@ -42,6 +42,9 @@ STRATEGIES: dict[str, list[str]] = {
                      "--node-profile", TWO_RACKS],
     "ps-fifo": ["train", "--sync", "ps", "--servers", "1", "--priority", "fifo"],
     "ps-graph": ["train", "--sync", "ps", "--servers", "1", "--priority", "graph"],
+    # Every host serves a shard of the parameters and trains (BytePS's colocated servers).
+    "ps-colocated": ["train", "--sync", "ps", "--servers", "colocated", "--priority", "graph"],
+    "ps-colocated-fifo": ["train", "--sync", "ps", "--servers", "colocated", "--priority", "fifo"],
     "ddp": [PEER],
     "powersgd": [PEER, "--powersgd-rank", "2"],
 }

@@ -75,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
         run_worker(config)
     check_import_paths(config)
     parallel = config.parallel
-    # Parameter servers are ranks of their own.
-    extra = (config.sync.servers or 1) if config.sync.strategy == "ps" else 0
+    # Dedicated parameter servers are ranks of their own (a hybrid job's are never colocated).
+    extra = int(config.ps_servers()) if config.sync.strategy == "ps" and parallel.layout == "hybrid" else 0
     if parallel.layout == "hybrid" and parallel.conv_workers + parallel.fc_workers + extra != parallel.nproc:
         raise UsageError(f"--conv-workers + --fc-workers ({parallel.conv_workers + parallel.fc_workers}) must "
                          f"equal --nproc ({parallel.nproc})")

@@ -364,7 +364,8 @@ class Engine:
     def _finish_exchange(self, bucket: Bucket, pending: PendingSync, step: int, exchanged: list[Bucket]) -> None:
         result = pending.wait()
         if self.sync.returns_parameters:   # 3. the update ran on a server: take its parameters
-            bucket.set_params(result)
+            if result is not None:   # None: the strategy put them in place (a colocated server's own shard)
+                bucket.set_params(result)
             self._update_bucket(bucket, step, apply=False)
             return
         bucket.set_grads(result)

@@ -40,6 +40,10 @@ class ParallelLayout(ABC):
         (None: it is the whole model)."""
         return self.engine.model, None, None
 
+    def checkpoint_engine(self) -> Engine:
+        """The engine whose updates a checkpoint snapshots (the one that trains ``checkpoint_scope``'s module)."""
+        return self.engine
+
     def step_metrics(self, step: int) -> dict[str, Any]:
         """Layout-specific figures of ``step`` for the metrics file (none by default)."""
         return {}

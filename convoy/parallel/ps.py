@@ -39,13 +39,14 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def server_engine(job: PSJob, rank: int, optimizer_class: type[torch.optim.Optimizer], hyper: dict[str, Any],
                   lr_lambda: Callable[[int], float] | None, timeline: Timeline | None,
-                  gate: GradientGate | None = None) -> Engine:
+                  gate: GradientGate | None = None, buffers_of: nn.Module | None = None) -> Engine:
     """The engine of server ``rank``: its shard, updated as the workers' pushes arrive (``gate``: clipping
-    and fp16 unscaling of the averaged gradient, its group the job's ranks, so the norm spans every shard)."""
+    and fp16 unscaling of the averaged gradient, its group the job's ranks, so the norm spans every shard;
+    ``buffers_of``: the model whose buffers the shard mirrors, so that its checkpoint holds them)."""
     if not job.layers_of(rank):
         raise UsageError(f"--servers {job.roles.servers}: server rank {rank} would hold no layer (the model has "
                          f"{len(job.layers)}); use fewer servers")
-    shard = Shard(job, job.layers_of(rank))
+    shard = Shard(job, job.layers_of(rank), buffers_of=buffers_of)
     sync = ServeShard(job, rank, shard, timeline)
     return Engine(shard, optimizer_class, sync, listeners=sync.listeners(), lr_lambda=lr_lambda, bucket_bytes=0,
                   gate=gate, **hyper)
@@ -61,6 +62,13 @@ def worker_engine(job: PSJob, rank: int, part: nn.Module, optimizer_class: type[
     sync = PushPull(job, rank, part, compressor, memory, warmup_steps, timeline, agreement_group)
     return Engine(part, optimizer_class, sync, listeners=sync.listeners(), lr_lambda=lr_lambda, bucket_bytes=0,
                   gate=gate, **hyper)
+
+
+def _join(worker: Engine, server: Engine) -> None:
+    """Colocated: this rank's worker pushes its own units to its server in memory, the server marks
+    them pulled when it has updated them in place, and the worker closes the server between its halves."""
+    worker.sync.local_server, worker.sync.local_server_engine = server.sync, server
+    server.sync.local_worker, server.sync.local_worker_engine = worker.sync, worker
 
 
 class ParameterServerLayout(ParallelLayout):
@@ -95,29 +103,44 @@ class ParameterServerLayout(ParallelLayout):
                  loss_fn: LossFn = nn.functional.cross_entropy, compressor: Compressor | None = None,
                  memory: Memory | None = None, warmup_steps: int = 0, grad_accum: int = 1, amp: str | None = None,
                  scaler: LossScaler | None = None, gate: GradientGate | None = None):
-        self.roles = PSRoles(settings.servers, world_size)
+        self.roles = PSRoles.colocate(world_size) if settings.colocated else PSRoles(settings.servers, world_size)
         self.model, self.rank, self.settings, self.loss_fn = model, rank, settings, loss_fn
         self.precision = Precision(grad_accum, amp, scaler)
-        self.is_server = self.roles.is_server(rank)
+        self.is_server = self.roles.is_server(rank) and not settings.colocated
+        self.server_engine: Engine | None = None   # colocated: this rank's shard
+        self._shared = False   # colocated: the shards restored from a checkpoint were shared
         # Process groups are created collectively, in the same order on every rank.
         codec = RowCodec(AllReduce(None, compressor, None, warmup_steps))
         self.job = build_job(model, self.roles, rank, settings, example, codec)
         self.routing = self.job.pull
         self.worker_group = worker_group(self.roles)
-        self.timeline = (Timeline(rank, "server" if self.is_server else "worker", settings.trace_steps)
-                         if settings.trace_steps else None)
+        self.timeline = (Timeline(rank, self._role(), settings.trace_steps) if settings.trace_steps else None)
         self.data_world_size = self.roles.num_workers
-        if self.is_server:
+        if settings.colocated:
+            self.data_rank = rank
+            self.server_engine = server_engine(self.job, rank, optimizer_class, hyper, lr_lambda, self.timeline, gate,
+                                               buffers_of=model)
+            self.engine = worker_engine(self.job, rank, model, optimizer_class, hyper, lr_lambda, compressor,
+                                        memory, warmup_steps, self.timeline, self.worker_group, gate)
+            _join(self.engine, self.server_engine)
+        elif self.is_server:
             self.data_rank = 0   # servers read batches only to keep the loop's pace
             self.engine = server_engine(self.job, rank, optimizer_class, hyper, lr_lambda, self.timeline, gate)
         else:
             self.data_rank = self.roles.worker_index(rank)
             self.engine = worker_engine(self.job, rank, model, optimizer_class, hyper, lr_lambda, compressor,
                                         memory, warmup_steps, self.timeline, self.worker_group, gate)
-        self._reports = self.roles.is_server(0)   # rank 0 shows progress: the workers tell it their losses
+        # rank 0 shows progress: the workers tell it their losses (colocated, rank 0 trains and shows its own)
+        self._reports = self.roles.is_server(0) and not settings.colocated
 
     # ------------------------------------------------------------- training
+    def _role(self) -> str:
+        return "colocated" if self.settings.colocated else "server" if self.is_server else "worker"
+
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
+        if self.server_engine is not None:   # colocated: this step's updates of the shard, as pushes arrive
+            self._share_restored_shards()
+            self.server_engine.run_step()
         if self.is_server:
             self.engine.run_step()
             return self._collect_reports() if self.rank == 0 else (0.0, 0)
@@ -138,11 +161,34 @@ class ParameterServerLayout(ParallelLayout):
         return total[0].item() / workers, round(total[1].item() / workers)
 
     def step_metrics(self, step: int) -> dict[str, Any]:
-        return {"role": "server" if self.is_server else "worker", "priority": self.settings.priority}
+        return {"role": self._role(), "priority": self.settings.priority}
+
+    def checkpoint_engine(self) -> Engine:
+        return self.server_engine if self.server_engine is not None else self.engine
+
+    def _share_restored_shards(self) -> None:
+        """Colocated, resumed: each rank restored its own shard; every owner now sends its units to the
+        other ranks (a broadcast per unit, in unit order), so every replica holds the whole model."""
+        if self._shared or self.server_engine.step == 0:
+            self._shared = True
+            return
+        self._shared = True
+        for unit, (_, _, params) in enumerate(self.job.layers):
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            dist.broadcast(flat, self.job.server_of(unit), group=self.worker_group)
+            with torch.no_grad():
+                offset = 0
+                for p in params:
+                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
 
     def checkpoint_scope(self) -> tuple[nn.Module, list[int] | None, dict[str, str] | None]:
-        """One server: every rank checkpoints the server's shard, the server writing it (its parameters and
+        """Colocated: every rank checkpoints its own shard (parameters, optimizer state, its worker's state and
+        buffers) into its own files; resumed, the ranks then share their shards.
+        One server: every rank checkpoints the server's shard, the server writing it (its parameters and
         optimizer state), the workers their own state (residuals, RNG, buffers) into their rank files."""
+        if self.server_engine is not None:
+            return self.server_engine.model, [self.rank], self.server_engine.model.full_names
         if self.is_server:
             return self.engine.model, None, self.engine.model.full_names
         shard = Shard(self.job, self.job.layers_of(self.roles.server_ranks[0]), buffers_of=self.model)
@@ -152,6 +198,9 @@ class ParameterServerLayout(ParallelLayout):
     def evaluate(self, test: torch.utils.data.Dataset, device: torch.device) -> tuple[float, float]:
         """Accuracy and mean loss over ``test``, scored by the workers in shards; a collective."""
         self.engine.synchronize()
+        if self.server_engine is not None:
+            self.server_engine.synchronize()
+            self._share_restored_shards()
         totals = torch.zeros(3, dtype=torch.float64)
         if not self.is_server:
             self._average_buffers()
@@ -172,6 +221,8 @@ class ParameterServerLayout(ParallelLayout):
     # --------------------------------------------------------------- saving
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model on rank 0 (None elsewhere), from the first worker; a collective."""
+        if self.server_engine is not None:
+            self._share_restored_shards()
         state = [self.model.state_dict() if self.rank == self.roles.first_worker else None]
         dist.broadcast_object_list(state, src=self.roles.first_worker)
         return state[0] if self.rank == 0 else None

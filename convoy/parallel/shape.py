@@ -72,7 +72,7 @@ class JobShape:
 
         hybrid = config.parallel.layout == "hybrid"
         return cls(world_size,
-                   servers=(config.sync.servers or 1) if config.sync.strategy == "ps" else 0,
+                   servers=_dedicated_servers(config),
                    conv_workers=(config.parallel.conv_workers or 0) if hybrid else 0,
                    fc_workers=(config.parallel.fc_workers or 0) if hybrid else 0,
                    clusters=parse_clusters(config.sync.clusters) if config.sync.strategy == "hierarchical" else 1)
@@ -123,3 +123,9 @@ class JobShape:
 
     def _group_names(self) -> list[str]:
         return ["conv workers", "FC workers"] if self.hybrid else ["nodes"]
+
+
+def _dedicated_servers(config: "TrainConfig") -> int:
+    """Ranks that only serve parameters: ``--servers S`` under ``--sync ps``; none when colocated."""
+    servers = config.ps_servers() if config.sync.strategy == "ps" else 0
+    return 0 if servers == "colocated" else int(servers)

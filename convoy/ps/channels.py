@@ -39,6 +39,8 @@ class Channels:
         self._groups: dict[tuple[int, int, int], dist.ProcessGroup] = {}
         for server in roles.server_ranks:
             for worker in roles.workers:
+                if server == worker:   # a colocated rank's own shard: pushed and pulled in memory
+                    continue
                 for channel in range(count):
                     group = dist.new_group([server, worker])
                     if rank in (server, worker):

@@ -6,11 +6,20 @@ worker, broadcast), the pull routing (dense parameters, float32 slices) and
 the push routing (gradient rows, byte slices; see :mod:`convoy.ps.push`), and
 for each layer the workers that push it (all of them in data parallelism,
 one group's in a hybrid job).
+
+A *unit* is what one server owns and updates: a whole layer, or, with
+colocated servers, a range of rows of a large layer (every parameter's dim 0),
+so that each rank's shard is about 1/N of the bytes. With colocated servers a
+unit's parameters are new ``Parameter`` objects viewing the model's storage:
+the rank's server engine updates them in place (no copy), and their ``grad``
+(the averaged gradient) stays apart from the model's (this rank's own).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -23,6 +32,7 @@ from convoy.ps.push import RowCodec
 from convoy.ps.roles import PSRoles
 from convoy.ps.routing import Routing, build_routing
 from convoy.ps.settings import PSSettings
+from convoy.ps.sharding import shard_layers, split_layers
 from convoy.ps.trace_graph import model_layers
 
 
@@ -31,9 +41,10 @@ class PSJob:
     """The job's agreed structure (identical on every rank).
 
     Attributes:
-        layers: ``(name, module, params)`` of the whole model, in registration order
-            (a layer's index names it on every rank).
-        index_of: ``id(module)`` -> layer index.
+        layers: ``(name, module, params)`` of every unit (a whole layer, or rows of
+            one), layers in registration order (a unit's index names it on every rank).
+        index_of: ``id(module)`` -> the index of the module's first unit.
+        units_of: ``id(module)`` -> the indices of the module's units.
         pull: slices of each layer's parameters (float32), their servers, priorities, channels.
         push: slices of each layer's gradient row (bytes), same servers and priorities.
         layer_workers: per layer, the worker ranks that push it and pull it.
@@ -50,6 +61,7 @@ class PSJob:
     push: Routing
     layer_workers: list[list[int]]
     codec: RowCodec
+    units_of: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
     def server_of(self, layer: int) -> int:
         """The global rank of the server that owns ``layer``."""
@@ -77,22 +89,58 @@ def build_job(model: nn.Module, roles: PSRoles, rank: int, settings: PSSettings,
     """
     channels = Channels(roles, settings.channels, rank)
     plan = agree_on_plan(model, roles, rank, settings.priority, example)
-    layers = model_layers(model)
+    whole = model_layers(model)
+    if roles.colocated:
+        units = split_layers([sum(p.numel() for p in params) for _, _, params in whole],
+                             [_common_rows(params) for _, _, params in whole], roles.servers)
+    else:
+        units = [(i, None, None) for i in range(len(whole))]
+    layers = [_unit(whole[i], start, end, alias=roles.colocated) for i, start, end in units]
     numels = [sum(p.numel() for p in params) for _, _, params in layers]
-    pull = build_routing(numels, plan, settings)
+    unit_plan = _plan_of_units(plan, [i for i, _, _ in units])
+    owner = shard_layers([4 * n for n in numels], roles.servers)
+    pull = build_routing(numels, unit_plan, settings, owner=owner)
     capacities = [codec.capacity(i, n, tuple(p.shape for p in layers[i][2]), first_step)
                   for i, n in enumerate(numels)]
-    push = build_routing(capacities, plan, settings, element_size=1, owner=pull.owner)
-    workers = [list(w) for w in layer_workers] if layer_workers is not None else [roles.workers] * len(layers)
-    return PSJob(roles, settings, channels, plan, layers, {id(m): i for i, (_, m, _) in enumerate(layers)},
-                 pull, push, workers, codec)
+    push = build_routing(capacities, unit_plan, settings, element_size=1, owner=pull.owner)
+    per_layer = [list(w) for w in layer_workers] if layer_workers is not None else [roles.workers] * len(whole)
+    units_of: dict[int, list[int]] = {}
+    for u, (i, _, _) in enumerate(units):
+        units_of.setdefault(id(whole[i][1]), []).append(u)
+    return PSJob(roles, settings, channels, unit_plan, layers, {key: us[0] for key, us in units_of.items()},
+                 pull, push, [per_layer[i] for i, _, _ in units], codec, units_of)
+
+
+def _common_rows(params: Sequence[nn.Parameter]) -> int | None:
+    """dim 0 shared by every parameter of a layer (the rows a unit can be cut along), else None."""
+    rows = {p.shape[0] if p.dim() else None for p in params}
+    return rows.pop() if len(rows) == 1 else None
+
+
+def _unit(layer: tuple[str, nn.Module, list[nn.Parameter]], start: int | None, end: int | None,
+          alias: bool) -> tuple[str, nn.Module, list[nn.Parameter]]:
+    """A unit's (name, module, params): rows ``start:end`` of the layer, as views of its storage when ``alias``."""
+    name, module, params = layer
+    if start is None:
+        return (name, module, [nn.Parameter(p.data) for p in params] if alias else params)
+    return (f"{name}[{start}:{end}]", module, [nn.Parameter(p.data[start:end]) for p in params])
+
+
+def _plan_of_units(plan: PriorityPlan, unit_layers: Sequence[int]) -> PriorityPlan:
+    """The plan over units: a layer's units in row order, where the layer was."""
+    if list(unit_layers) == list(range(len(plan.order))):
+        return plan
+    rank = plan.rank
+    order = sorted(range(len(unit_layers)), key=lambda u: (rank[unit_layers[u]], u))
+    return dataclasses.replace(plan, order=tuple(order), value=tuple(plan.value[i] for i in unit_layers),
+                               unseen=tuple(u for u, i in enumerate(unit_layers) if i in plan.unseen))
 
 
 class Shard(nn.Module):
-    """A server's layers as a module of their own: one child per layer, holding the model's parameters.
+    """A server's units as a module of their own: one child per unit, holding the model's parameters.
 
-    The children are named ``p<layer index>`` and hold the very ``Parameter``
-    objects of the model (no copy), under their own names, so the engine trains
+    The children are named ``p<unit index>`` and hold the very ``Parameter``
+    objects of the model (colocated: views of their storage; no copy either way), under their own names, so the engine trains
     exactly the server's share and a checkpoint of it holds nothing else. With
     ``buffers_of``, the shard also mirrors that model's buffers under their own
     names (modules without parameters), so a worker's rank file, which keeps
@@ -112,12 +160,12 @@ class Shard(nn.Module):
         for index in layers:
             name, module, params = job.layers[index]
             holder = nn.Module()
-            mine = {id(p) for p in params}
-            for pname, p in module.named_parameters(recurse=False):
-                if id(p) in mine:
-                    holder.register_parameter(pname, p)
-                    prefix = "" if name == "<root>" else name + "."
-                    self.full_names[f"p{index}.{pname}"] = prefix + pname
+            # A unit's parameters are the layer's (or, colocated, views of them), in the layer's order.
+            names = [pname for pname, p in module.named_parameters(recurse=False) if p.requires_grad]
+            for pname, p in zip(names, params):
+                holder.register_parameter(pname, p)
+                prefix = "" if name == "<root>" else name + "."
+                self.full_names[f"p{index}.{pname}"] = prefix + pname
             self.add_module(f"p{index}", holder)
             self.layer_of[id(holder)] = index
         if buffers_of is not None:

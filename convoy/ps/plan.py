@@ -40,8 +40,10 @@ def agree_on_plan(model: nn.Module, roles: PSRoles, rank: int, mode: str, exampl
 
 
 def measure_bandwidth(roles: PSRoles, rank: int) -> float | None:
-    """Bytes per second from the first worker to server 0 (best of a few 1 MB sends); None elsewhere."""
-    worker, server = roles.first_worker, 0
+    """Bytes per second from the first worker to server 0 (best of a few 1 MB sends); None elsewhere.
+    Colocated, rank 0 is both: it measures its link to rank 1."""
+    worker = roles.first_worker
+    server = 1 if worker == 0 else 0
     if rank not in (worker, server):
         return None
     payload = torch.zeros(_PROBE_BYTES // 4)

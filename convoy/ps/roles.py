@@ -1,4 +1,5 @@
-"""Who serves and who trains: S server ranks (the first S, or the last S), the other W ranks workers."""
+"""Who serves and who trains: S server ranks (the first S, or the last S), the other W ranks workers;
+or, colocated, every rank both serves a shard and trains."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,8 +24,26 @@ class PSRoles:
     servers: int
     world_size: int
     servers_last: bool = False
+    colocated: bool = False
+
+    @classmethod
+    def colocate(cls, world_size: int) -> "PSRoles":
+        """Every one of ``world_size`` ranks serves a shard and trains (``--servers colocated``).
+
+        Example::
+
+            >>> roles = PSRoles.colocate(3)
+            >>> roles.server_ranks == roles.workers == [0, 1, 2]
+            True
+        """
+        if world_size < 2:
+            raise UsageError(f"--servers colocated needs at least 2 processes, got {world_size}; "
+                             "train on one process without --sync ps")
+        return cls(world_size, world_size, colocated=True)
 
     def __post_init__(self) -> None:
+        if self.colocated:
+            return
         if self.servers < 1:
             raise UsageError(f"--servers must be >= 1, got {self.servers}")
         if self.servers >= self.world_size:
@@ -41,11 +60,13 @@ class PSRoles:
 
     @property
     def workers(self) -> list[int]:
+        if self.colocated:
+            return list(range(self.world_size))
         return [r for r in range(self.world_size) if not self.is_server(r)]
 
     @property
     def num_workers(self) -> int:
-        return self.world_size - self.servers
+        return self.world_size if self.colocated else self.world_size - self.servers
 
     @property
     def first_worker(self) -> int:
@@ -62,6 +83,8 @@ class PSRoles:
 
     def worker_index(self, rank: int) -> int:
         """Position of worker ``rank`` among the workers (its data rank)."""
+        if self.colocated:
+            return rank
         if self.is_server(rank):
             raise ValueError(f"rank {rank} is a server")
         return self.workers.index(rank)

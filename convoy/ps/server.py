@@ -47,7 +47,7 @@ class _Pushes(PendingSync):
         width, dtypes, ctx, compressor = job.codec.row(self.layer, job.numel(self.layer), job.shapes(self.layer),
                                                        self.step)
         job.codec.forget(self.layer, self.step)
-        rows = [owner._inbox[(worker, self.layer)][:width] for worker in workers]   # worker order: a fixed sum
+        rows = [owner._row(worker, self.layer)[:width] for worker in workers]   # worker order: a fixed sum
         grad = sum_rows(compressor, rows, dtypes, ctx).div_(len(workers))
         owner._update_start[self.layer] = time.time()
         return grad
@@ -76,12 +76,16 @@ class ServeShard(SyncStrategy):
         self.job, self.rank, self.shard, self.timeline = job, rank, shard, timeline
         self.layers = job.layers_of(rank)
         self.world_size = len(job.layer_workers[self.layers[0]]) if self.layers else 1
-        workers = sorted({w for i in self.layers for w in job.layer_workers[i]})
+        # Colocated, this rank's own worker pushes and pulls in memory (``deliver``, ``local_worker``).
+        workers = sorted({w for i in self.layers for w in job.layer_workers[i]} - {rank})
         self._workers = workers
+        self.local_worker: Any = None   # colocated: this rank's PushPull, told when its units are updated
+        self.local_worker_engine: Any = None   # and its engine
         self._waiter = ps_waiter()
         self._inbox = {(w, i): torch.empty(job.push.table[i][-1].offset + job.push.table[i][-1].numel,
                                            dtype=torch.uint8)
-                       for i in self.layers for w in job.layer_workers[i]}
+                       for i in self.layers for w in job.layer_workers[i] if w != rank}
+        self._local_rows: dict[int, torch.Tensor] = {}   # colocated: this rank's own push row of each unit
         self._outbox = {i: torch.empty(job.numel(i)) for i in self.layers}   # parameters being sent back
         self._expected: dict[tuple[int, int], int] = {}   # (layer, step) -> push slices per worker
         self._arrived: dict[tuple[int, int], int] = {}    # (worker, layer) -> slices of its pending push
@@ -110,6 +114,8 @@ class ServeShard(SyncStrategy):
     def set_step(self, step: int) -> None:
         for layer in self.layers:
             self._next_step[layer], self._complete[layer] = step, step - 1
+        if self.local_worker_engine is not None:   # colocated, resuming: the worker goes on from there too
+            self.local_worker_engine.set_step(step)
 
     def start(self, bucket: Any, grad: torch.Tensor) -> PendingSync:
         layer = self.shard.layer_of[id(bucket.layers[0].module)]
@@ -123,6 +129,18 @@ class ServeShard(SyncStrategy):
 
     def listeners(self) -> list:
         return [Reply(self)]
+
+    # A colocated rank's checkpoint is its server engine's: the state of its worker
+    # (error feedback, a compressor's warm start, the step count) travels with it.
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.local_worker.state_tensors() if self.local_worker is not None else {}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.local_worker is not None:
+            self.local_worker.load_state_tensors(tensors)
+
+    def state_bytes_bound(self, params_bytes: int) -> int:
+        return self.local_worker.state_bytes_bound(params_bytes) if self.local_worker is not None else 0
 
     def close(self) -> None:
         """Wait for every worker to end its streams, then end this server's streams."""
@@ -143,15 +161,37 @@ class ServeShard(SyncStrategy):
         name = self.job.layers[layer][0]
         if self.timeline is not None:
             self.timeline.span(f"update {name}", "update", "update", start, time.time(), step)
+        if self.rank in self.job.layer_workers[layer]:   # colocated: the update was in place
+            self.local_worker.pulled_locally(layer, step)
+        remote = [worker for worker in self.job.layer_workers[layer] if worker != self.rank]
+        if not remote:
+            return
         flat = self._outbox[layer]
         torch.cat([p.detach().reshape(-1) for p in self.job.layers[layer][2]], out=flat)
         channels, pull = self.job.channels, self.job.pull
         transfers = [Transfer(worker, channels.group(self.rank, worker, pull.channel[piece.id]),
                               channels.id(self.rank, worker, pull.channel[piece.id]), piece.id, step,
                               view(flat, piece), pull.priority[piece.id])
-                     for worker in self.job.layer_workers[layer] for piece in pull.table[layer]]
+                     for worker in remote for piece in pull.table[layer]]
         self._count(sum(t.nbytes for t in transfers), 0)
         self.scheduler.submit(transfers)
+
+    def deliver(self, layer: int, step: int, row: torch.Tensor) -> None:
+        """Colocated: this rank's own push of ``layer`` at ``step``, handed over in memory (no copy)."""
+        with self._waiter.cond:
+            self._local_rows[layer] = row
+            self._worker_done(layer, step)
+
+    def _row(self, worker: int, layer: int) -> torch.Tensor:
+        return self._local_rows.pop(layer) if worker == self.rank else self._inbox[(worker, layer)]
+
+    def _worker_done(self, layer: int, step: int) -> None:
+        """One more worker's push of ``layer`` is complete (the caller holds the condition)."""
+        self._done_workers[layer] += 1
+        if self._done_workers[layer] == len(self.job.layer_workers[layer]):
+            self._done_workers[layer] = 0
+            self._complete[layer] = step
+            self._waiter.cond.notify_all()
 
     # ------------------------------------------------------- helper threads
     def _push_buffer(self, worker: int, slice_id: int, step: int) -> torch.Tensor:
@@ -190,11 +230,7 @@ class ServeShard(SyncStrategy):
                 if self._arrived[key] < expected:
                     return
                 self._arrived[key] = 0
-                self._done_workers[layer] += 1
-                if self._done_workers[layer] == len(self.job.layer_workers[layer]):
-                    self._done_workers[layer] = 0
-                    self._complete[layer] = step
-                    self._waiter.cond.notify_all()
+                self._worker_done(layer, step)
         return on_slice
 
     def _check_scheduler(self) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from convoy.errors import UsageError
 
 PRIORITY_MODES = ("graph", "timed", "fifo")
+COLOCATED = "colocated"   # --servers colocated: every rank serves a shard and trains
 
 # Defaults of the prioritised modes: P3 slices at 40 k parameters and
 # ByteScheduler keeps 4 MB in flight; on 100 Mbit-1 Gbit links a 1 MB window
@@ -20,7 +21,10 @@ class PSSettings:
     """How transfers between servers and workers are scheduled.
 
     Args:
-        servers: S, the number of server ranks.
+        servers: S, the number of dedicated server ranks; with ``colocated`` every
+            rank serves a shard (the job's size, known to the layout, counts).
+        colocated: every rank serves a shard of the parameters and trains.
+        staleness: steps a worker may run ahead of the slowest (0: synchronous).
         priority: ``graph`` (forward order from the traced graph), ``timed``
             (the timing-aware order), or ``fifo`` (arrival order; the baseline).
         channels: process groups per server-worker pair.
@@ -40,17 +44,21 @@ class PSSettings:
     slice_bytes: int | None = int(DEFAULT_SLICE_KB * 1024)
     credit_bytes: int | None = int(DEFAULT_CREDIT_KB * 1024)
     trace_steps: int = 0
+    colocated: bool = False
+    staleness: int = 0
 
     @classmethod
-    def resolve(cls, servers: int = 1, priority: str = "graph", channels: int | None = None,
+    def resolve(cls, servers: int | str = 1, priority: str = "graph", channels: int | None = None,
                 slice_kb: float | None = None, credit_kb: float | None = None,
-                trace_steps: int = 0) -> "PSSettings":
+                trace_steps: int = 0, staleness: int = 0) -> "PSSettings":
         """Settings from user values; ``None`` takes the mode's default.
 
         FIFO defaults to the plain parameter server: one channel, whole tensors,
         no credit limit. The prioritised modes default to slices and a window.
         """
-        check(servers, priority, channels, slice_kb, credit_kb)
+        colocated = servers == COLOCATED
+        servers = 1 if colocated else parse_servers(servers)
+        check(servers, priority, channels, slice_kb, credit_kb, staleness)
         fifo = priority == "fifo"
         if channels is None:
             channels = 1 if fifo else DEFAULT_CHANNELS
@@ -58,12 +66,34 @@ class PSSettings:
             slice_kb = DEFAULT_SLICE_KB
         if credit_kb is None and not fifo:
             credit_kb = DEFAULT_CREDIT_KB
-        return cls(servers, priority, channels, _bytes(slice_kb), _bytes(credit_kb), trace_steps)
+        return cls(servers, priority, channels, _bytes(slice_kb), _bytes(credit_kb), trace_steps, colocated,
+                   staleness)
+
+
+def parse_servers(value: int | str) -> int | str:
+    """``--servers``: ``colocated``, or a whole number of dedicated server ranks (as an int).
+
+    Example::
+
+        >>> parse_servers("2"), parse_servers("colocated")
+        (2, 'colocated')
+    """
+    if value == COLOCATED:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip()
+    if not text.lstrip("+-").isdigit():
+        raise UsageError(f"unknown --servers {value!r}; choose {COLOCATED} (every rank serves a shard) "
+                         "or a number of dedicated server ranks")
+    return int(text)
 
 
 def check(servers: int | None, priority: str, channels: int | None, slice_kb: float | None,
-          credit_kb: float | None) -> None:
+          credit_kb: float | None, staleness: int = 0) -> None:
     """Raise UsageError for a value no mode accepts."""
+    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+        raise UsageError(f"--staleness must be a whole number >= 0 (0: synchronous), got {staleness!r}")
     if servers is not None and servers < 1:
         raise UsageError(f"--servers must be >= 1, got {servers}")
     if priority not in PRIORITY_MODES:

@@ -34,17 +34,29 @@ from convoy.sync.rows import pack_row
 
 
 class _Pull(PendingSync):
-    """A pushed layer whose parameters of ``step`` are on their way back."""
+    """A pushed layer whose units' parameters of ``step`` are on their way back."""
 
-    def __init__(self, owner: "PushPull", layer: int, step: int):
-        self.owner, self.layer, self.step = owner, layer, step
+    def __init__(self, owner: "PushPull", units: Sequence[int], step: int):
+        self.owner, self.units, self.step = owner, units, step
 
     def is_done(self) -> bool:
-        return self.owner._pulled[self.layer] >= self.step
+        return all(self.owner._pulled[unit] >= self.step for unit in self.units)
 
-    def wait(self) -> torch.Tensor:
-        self.owner._waiter.wait_for(self.is_done, self.owner._check_scheduler)
-        return self.owner._staging[self.layer]
+    def wait(self) -> torch.Tensor | None:
+        """The layer's parameters (one unit from a server), else None: the units are in place already
+        (colocated: a rank's own units were updated in place, the others are copied in here)."""
+        owner = self.owner
+        owner._waiter.wait_for(self.is_done, owner._check_scheduler)
+        remote = [unit for unit in self.units if unit in owner._staging]
+        if len(self.units) == 1 and remote:
+            return owner._staging[remote[0]]
+        with torch.no_grad():
+            for unit in remote:
+                offset = 0
+                for p in owner.job.layers[unit][2]:
+                    p.copy_(owner._staging[unit][offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+        return None
 
 
 class PushPull(AllReduce):
@@ -79,9 +91,12 @@ class PushPull(AllReduce):
         self.job, self.rank, self.timeline = job, rank, timeline
         mine = [i for i, workers in enumerate(job.layer_workers) if rank in workers]
         self.world_size = len(job.layer_workers[mine[0]]) if mine else 1   # workers averaged over
-        self._servers = sorted({job.server_of(i) for i in mine})
+        # Colocated, this rank's own server takes its pushes in memory and updates its units in place.
+        self._servers = sorted({job.server_of(i) for i in mine} - {rank})
+        self.local_server: Any = None          # colocated: this rank's ServeShard
+        self.local_server_engine: Any = None   # and its engine, closed between this worker's two halves
         self._waiter = ps_waiter()
-        self._staging = {i: torch.empty(job.numel(i)) for i in mine}
+        self._staging = {i: torch.empty(job.numel(i)) for i in mine if job.server_of(i) != rank}
         self._arrived = {i: 0 for i in mine}              # slices of the pending pull that are in
         self._pulled = {i: -1 for i in mine}              # last step whose parameters are in staging
         self._current: tuple[int, int] = (-1, -1)         # (layer, step) being exchanged
@@ -116,18 +131,24 @@ class PushPull(AllReduce):
     def start(self, bucket: Any, grad: torch.Tensor) -> PendingSync:
         if len(bucket.layers) != 1:
             raise ValueError("a parameter-server worker exchanges one layer per bucket (bucket_bytes=0)")
-        layer = self.job.index_of[id(bucket.layers[0].module)]
-        step = self._exchanges.get(layer, self._first_step)
+        units = self.job.units_of[id(bucket.layers[0].module)]
+        step = self._exchanges.get(units[0], self._first_step)
         self._announce(step)
-        server = self.job.server_of(layer)
-        for piece in self.job.pull.table[layer]:
-            # The server sends these parameters only after this push: the receive is in place in time.
-            self._recvs.post(server, piece.id, step)
-        self._current = (layer, step)
-        params = torch.cat([p.detach().reshape(-1) for p in bucket.params]) if self.memory.needs_params else None
-        return self.start_flat(layer, self.job.shapes(layer), grad, params)
+        for unit in units:
+            server = self.job.server_of(unit)
+            if server != self.rank:
+                for piece in self.job.pull.table[unit]:
+                    # The server sends these parameters only after this push: the receive is in place in time.
+                    self._recvs.post(server, piece.id, step)
+        for unit in units:
+            self._current = (unit, step)
+            params = self.job.layers[unit][2]
+            unit_grad = grad if len(units) == 1 else _rows_of(grad, bucket.params, params)
+            flat = torch.cat([p.detach().reshape(-1) for p in params]) if self.memory.needs_params else None
+            self.start_flat(unit, self.job.shapes(unit), unit_grad, flat)
+        return _Pull(self, units, step)
 
-    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any) -> PendingSync:
+    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any) -> None:   # start's _Pull waits
         layer, step = self._current
         width = wire_width(compressor, payload, ctx)
         row = pack_row(payload, width)
@@ -137,7 +158,16 @@ class PushPull(AllReduce):
             raise RuntimeError(f"layer {self.job.layers[layer][0]}: a push row of {width} bytes exceeds the "
                                f"{capacity} the servers expect")
         server = self.job.server_of(layer)
-        channels = self.job.channels
+        if server == self.rank:   # colocated: this rank's own shard, in memory
+            self.local_server.deliver(layer, step, row)
+        else:
+            self._push(server, layer, step, row, width)
+        if compressor.keeps_sum:   # while the push is on its way (the row is a copy)
+            compressor.keep_sum([self._agree(t) for t in payload[:1]], ctx)
+        return None
+
+    def _push(self, server: int, layer: int, step: int, row: torch.Tensor, width: int) -> None:
+        channels, pieces = self.job.channels, self.job.push.table[layer]
         transfers = [Transfer(server, channels.group(server, self.rank, self.job.push.channel[piece.id]),
                               channels.id(server, self.rank, self.job.push.channel[piece.id]), piece.id, step,
                               row.narrow(0, piece.offset, size), self.job.push.priority[piece.id])
@@ -148,9 +178,12 @@ class PushPull(AllReduce):
         except TransferError as exc:
             self._waiter.fail("pushing to a parameter server failed", exc)
             self._waiter.raise_if_failed()
-        if compressor.keeps_sum:   # while the push is on its way (the row is a copy)
-            compressor.keep_sum([self._agree(t) for t in payload[:1]], ctx)
-        return _Pull(self, layer, step)
+
+    def pulled_locally(self, unit: int, step: int) -> None:
+        """Colocated: this rank's server updated ``unit`` of ``step`` in place."""
+        with self._waiter.cond:
+            self._pulled[unit] = step
+            self._waiter.cond.notify_all()
 
     def _agree(self, tensor: torch.Tensor) -> torch.Tensor:
         return _no_agreement(tensor) if self.group is None else super()._agree(tensor)
@@ -168,7 +201,12 @@ class PushPull(AllReduce):
         self._report_buffer = message   # alive until the send completes
 
     def close(self) -> None:
-        """End every channel's stream and the step announcements, then stop the threads."""
+        """End every channel's stream and the step announcements, then stop the threads.
+
+        Colocated, this rank's server is closed in between: it ends its streams
+        once every other worker ended theirs, and this worker's receivers end at
+        the other servers' ends.
+        """
         channels = self.job.channels
         self.scheduler.submit(mark for server in self._servers for c in range(channels.count)
                               for mark in stop_marks(server, channels.group(server, self.rank, c),
@@ -180,6 +218,8 @@ class PushPull(AllReduce):
         except TransferError as exc:
             self._waiter.fail("pushing to a parameter server failed", exc)
         self._settle(self._reports + self._announcements)
+        if self.local_server_engine is not None:
+            self.local_server_engine.close()
         for receiver in self._receivers:   # each ends at its server's stop mark
             while receiver.is_alive():
                 receiver.join(0.5)
@@ -259,6 +299,17 @@ class PushPull(AllReduce):
 
     def _failure(self, message: str) -> Callable[[BaseException], None]:
         return lambda exc: self._waiter.fail(message, exc)
+
+
+def _rows_of(grad: torch.Tensor, layer_params: Sequence[torch.Tensor], unit_params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A unit's part of its layer's flat gradient: the unit's rows of every parameter, concatenated."""
+    parts, offset = [], 0
+    for whole, part in zip(layer_params, unit_params):
+        # The unit's parameter views the layer's from row ``start`` on: its byte offset says which.
+        start = (part.data_ptr() - whole.data_ptr()) // whole.element_size()
+        parts.append(grad.narrow(0, offset + start, part.numel()))
+        offset += whole.numel()
+    return torch.cat(parts)
 
     def _compute_hooks(self, model: nn.Module) -> list[Any]:
         """Forward spans of every layer, for the Chrome trace."""

@@ -228,8 +228,12 @@ class SyncConfig:
                                          "numbers; default 1,0.5,1,0.5,0.5,2")
     node_profile: str | None = _opt(None, "hierarchical: TOML file of node indicators overriding the measured "
                                     "ones ([all], [hosts.NAME], [ranks.N] tables)", path=True)
-    servers: int | None = _opt(None, "ps: S, the ranks 0..S-1 that serve the parameters (default 1); the other "
-                               "ranks are workers", count=True)
+    servers: str | int | None = _opt(None, "ps: colocated (every rank serves a shard of the parameters and trains; "
+                                     "the default with --parallel data), or S, the ranks 0..S-1 that serve the "
+                                     "parameters while the other ranks train (the default with --parallel hybrid "
+                                     "is 1)")
+    staleness: int = _opt(0, "ps: steps a worker may run ahead of the slowest; 0 is synchronous and exact",
+                          count=True)
     channels: int | None = _opt(None, "ps: connections (process groups) per server-worker pair (default 2; fifo: 1)",
                                 count=True)
     priority: str = _opt("graph", "ps: transfer order: graph (the next forward's order, traced), timed (also "
@@ -244,17 +248,23 @@ class SyncConfig:
     def validate(self) -> None:
         """The strategy's own options; the cluster count and the servers are checked against the world
         by TrainConfig."""
-        from convoy.ps.settings import check
+        from convoy.ps.settings import check, parse_servers
         from convoy.sync import SYNC_NAMES
 
         _check_fields(self)
         _one_of("sync", self.strategy, SYNC_NAMES)
-        check(self.servers, self.priority, self.channels, self.slice_kb, self.credit_kb)
+        if self.servers is not None:
+            self.servers = parse_servers(self.servers)
+            if isinstance(self.servers, int) and self.servers > MAX_COUNT:
+                raise UsageError(f"--servers must be <= {MAX_COUNT}, got {self.servers}")
+        check(self.servers if isinstance(self.servers, int) else None, self.priority, self.channels, self.slice_kb,
+              self.credit_kb, self.staleness)
         _at_least("trace_steps", self.trace_steps, 1)
         if self.strategy != "ps":
             given = [f for f in ("servers", "channels", "slice_kb", "credit_kb") if getattr(self, f) is not None]
-            if given or self.priority != "graph" or self.trace:
-                raise UsageError("--servers, --channels, --priority, --slice-kb, --credit-kb and --trace need --sync ps")
+            if given or self.priority != "graph" or self.trace or self.staleness:
+                raise UsageError("--servers, --staleness, --channels, --priority, --slice-kb, --credit-kb and --trace "
+                                 "need --sync ps")
         if self.strategy != "hierarchical":
             if self.node_profile is not None or self.indicator_weights is not None or self.clusters != "auto":
                 raise UsageError("--clusters, --indicator-weights and --node-profile need --sync hierarchical")
@@ -493,23 +503,51 @@ class TrainConfig:
                              "loss-scaled gradient (and an overflowed step's inf); use --amp bf16, which needs no "
                              "loss scale, or --compress none")
 
+    def ps_servers(self) -> int | str:
+        """``--servers`` as the job runs it: ``"colocated"``, or S dedicated server ranks.
+
+        Colocated servers are the default of data parallelism; a hybrid job
+        keeps its conv and FC ranks and defaults to one dedicated server.
+        """
+        if self.sync.servers is not None:
+            return self.sync.servers
+        return 1 if self.parallel.layout == "hybrid" else "colocated"
+
+    def _validate_colocated(self, world: int) -> None:
+        if world < 2:
+            raise UsageError(f"--servers colocated needs at least 2 processes, got {world}; give --nproc 2 or "
+                             "more, or train on one process without --sync ps")
+        if self.parallel.layout != "data":
+            raise UsageError("--servers colocated needs --parallel data; a hybrid job takes --servers S "
+                             "dedicated server ranks")
+        if self.sync.staleness:
+            raise UsageError(f"--staleness {self.sync.staleness}: bounded staleness is not implemented yet; "
+                             "only --staleness 0 (synchronous) runs")
+        if self.optim.clip_grad_norm is not None or self.optim.amp == "fp16":
+            raise UsageError("--clip-grad-norm and --amp fp16 are not supported with --servers colocated yet; "
+                             "give --servers S (dedicated servers) or leave them out")
+
     def _validate_ps(self, world: int) -> None:
         if self.sync.strategy != "ps":
             return
-        servers = self.sync.servers or 1
-        if servers >= world:
+        servers = self.ps_servers()
+        if servers == "colocated":
+            self._validate_colocated(world)
+        elif self.sync.staleness:
+            raise UsageError("--staleness needs --servers colocated")
+        if servers != "colocated" and servers >= world:
             raise UsageError(f"--servers ({servers}) must be smaller than the number of processes ({world}): "
                              "at least one rank must be a worker")
         conv, fc = self.parallel.conv_workers, self.parallel.fc_workers
-        if self.parallel.layout == "hybrid" and conv and fc and conv + fc + servers != world:
+        if self.parallel.layout == "hybrid" and conv and fc and conv + fc + int(servers) != world:
             raise UsageError(f"--parallel hybrid --sync ps needs --nproc = --conv-workers + --fc-workers + --servers "
                              f"= {conv + fc + servers} (the servers are the last ranks), got {world}")
         if self.compress.block_selection == "global" and self.compress.name == "blocktopk":
             raise UsageError("--block-selection global needs every rank to agree on the blocks (an all-reduce); "
                              "a parameter server decodes each push alone: use --block-selection local with --sync ps")
-        if self.checkpoint.dir is not None and (servers > 1 or self.parallel.layout != "data"):
-            raise UsageError("--checkpoint-dir with --sync ps needs --servers 1 and --parallel data (the workers' "
-                             "rank files commit in step with one server's file)")
+        if self.checkpoint.dir is not None and (servers not in (1, "colocated") or self.parallel.layout != "data"):
+            raise UsageError("--checkpoint-dir with --sync ps needs --servers colocated or 1 and --parallel data (the "
+                             "workers' rank files commit in step with the servers' files)")
 
     def _validate_hierarchical(self, world: int) -> None:
         from convoy.cluster.options import check_cluster_options

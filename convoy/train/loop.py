@@ -143,7 +143,7 @@ def start_checkpoints(config: TrainConfig, layout: ParallelLayout, total_steps: 
     settings = CheckpointSettings(config.checkpoint.dir, every, config.checkpoint.resume, config.run.timeout,
                                   config.checkpoint.budget, config.checkpoint.full_every)
     module, group_ranks, full_names = layout.checkpoint_scope()
-    return start_checkpointing(settings, module, layout.engine, optimizer_class, hyper, total_steps,
+    return start_checkpointing(settings, module, layout.checkpoint_engine(), optimizer_class, hyper, total_steps,
                                steps_per_epoch, group_ranks, full_names)
 
 

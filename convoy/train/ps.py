@@ -24,8 +24,8 @@ from convoy.train.optim import build_compression, lr_lambda, optimizer_spec
 
 def ps_settings(config: TrainConfig) -> PSSettings:
     sync = config.sync
-    return PSSettings.resolve(sync.servers or 1, sync.priority, sync.channels, sync.slice_kb, sync.credit_kb,
-                              sync.trace_steps if sync.trace else 0)
+    return PSSettings.resolve(config.ps_servers(), sync.priority, sync.channels, sync.slice_kb, sync.credit_kb,
+                              sync.trace_steps if sync.trace else 0, sync.staleness)
 
 
 def example_batch(config: TrainConfig, input_shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -47,7 +47,8 @@ def build_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context,
     ``gate_group``: every rank, when clipping or loss scaling needs the whole step's norm)."""
     settings = ps_settings(config)
     optimizer_class, hyper = optimizer_spec(config)
-    compressor, memory = build_compression(config, ctx.world_size - settings.servers)
+    workers = ctx.world_size if settings.colocated else ctx.world_size - settings.servers
+    compressor, memory = build_compression(config, workers)
     return ParameterServerLayout(model, settings, ctx.rank, ctx.world_size, optimizer_class, hyper,
                                  example_batch(config, input_shape, ctx.device),
                                  lr_lambda(config.optim.lr_schedule, total_steps), compressor=compressor, memory=memory,

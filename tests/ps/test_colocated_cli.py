@@ -1,0 +1,34 @@
+"""Bad ``--servers`` and ``--staleness`` values are refused in one line with exit status 2, before any
+worker starts; ``--servers colocated`` is the default of ``--sync ps``."""
+from __future__ import annotations
+
+import pytest
+
+from convoy.train.config import TrainConfig
+from tests.helpers import convoy_in_process, one_line_error
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--staleness", "-1"], "--staleness must be a whole number >= 0"),
+    (["--staleness", "1.5"], "argument --staleness: invalid int value: '1.5'"),
+    (["--staleness", "two"], "argument --staleness: invalid int value: 'two'"),
+    (["--servers", "colocated", "--nproc", "1"], "--servers colocated needs at least 2 processes, got 1"),
+    (["--nproc", "1"], "--servers colocated needs at least 2 processes, got 1"),   # the default
+    (["--servers", "nearby"], "unknown --servers 'nearby'; choose colocated"),
+    (["--servers", "1.5"], "unknown --servers '1.5'; choose colocated"),
+    (["--servers", "0"], "--servers must be >= 1, got 0"),
+    (["--servers", "2", "--staleness", "1"], "--staleness needs --servers colocated"),
+    (["--clip-grad-norm", "1"], "not supported with --servers colocated yet"),
+])
+def test_bad_ps_values_are_one_line_exit_2(args, expected):
+    assert expected in one_line_error(convoy_in_process("train", "--sync", "ps", *args))
+
+
+def test_staleness_needs_sync_ps():
+    assert "need --sync ps" in one_line_error(convoy_in_process("train", "--staleness", "1"))
+
+
+def test_a_config_file_integer_is_a_server_count_and_colocated_is_the_default(tmp_path):
+    assert TrainConfig.from_flat(sync="ps", nproc=3).validate().ps_servers() == "colocated"
+    assert TrainConfig.from_flat(sync="ps", servers=2, nproc=3).validate().ps_servers() == 2
+    assert TrainConfig.from_flat(sync="ps", servers="2", nproc=3).validate().ps_servers() == 2
