@@ -314,7 +314,7 @@ class CheckpointListener(Listener):
                 self._queue.put(("end", step, None, None, False))
             return
         start = time.perf_counter()
-        state = rank_state(self.model, self.engine.sync, self._buffers)
+        state = rank_state(self.model, self.engine.sync, self._buffers, self.engine.loss_scaler)
         self._buffers = {}
         group = self.engine.optimizers[0].param_groups[0]
         extra = {"forward_order": [layer.name for layer in self.engine.layers],

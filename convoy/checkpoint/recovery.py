@@ -202,10 +202,10 @@ def restore_model(store: Store, area: int, model: nn.Module) -> dict[str, dict]:
     return states
 
 
-def restore_rank(store: Store, area: int, model: nn.Module, sync: object) -> None:
-    """Put this rank's buffers, residuals and RNG state back from ``area``."""
+def restore_rank(store: Store, area: int, model: nn.Module, sync: object, scaler: object = None) -> None:
+    """Put this rank's buffers, residuals, RNG state and fp16 loss scale back from ``area``."""
     tensors = store.tensors(area, 0)
-    restore_rank_state(model, sync, tensors)
+    restore_rank_state(model, sync, tensors, scaler)
     del tensors
 
 

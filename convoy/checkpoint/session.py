@@ -217,7 +217,7 @@ def _restore(point: RestorePoint, model_reports: list[AreaReport], rank_reports:
     store = Store.open(rpath)
     try:
         _verified(store, chosen_rank)
-        restore_rank(store, chosen_rank.area, model, engine.sync)
+        restore_rank(store, chosen_rank.area, model, engine.sync, engine.loss_scaler)
     finally:
         store.close()
     engine.set_step(step)

@@ -102,12 +102,15 @@ def restore_parameters(module: nn.Module, slot_tensors: dict[str, torch.Tensor])
                 param.copy_(slot_tensors[f"param.{name}"])
 
 
-def rank_state(model: nn.Module, sync: Any, buffers: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Copies of this rank's own state: buffers, the sync strategy's state, the torch RNG.
+def rank_state(model: nn.Module, sync: Any, buffers: dict[str, torch.Tensor] | None = None,
+               scaler: Any = None) -> dict[str, torch.Tensor]:
+    """Copies of this rank's own state: buffers, the sync strategy's state, the torch RNG,
+    and the fp16 loss scale.
 
     Args:
         buffers: buffer copies already taken (when their layer was final); the
             model's other buffers are copied now.
+        scaler: the engine's fp16 loss scaler, if any (``Engine.loss_scaler``).
     """
     out = {f"buffer.{k}": v for k, v in (buffers or {}).items()}
     for name, buf in model.named_buffers():
@@ -116,6 +119,8 @@ def rank_state(model: nn.Module, sync: Any, buffers: dict[str, torch.Tensor] | N
     for key, value in sync.state_tensors().items():
         out[f"sync.{key}"] = value.detach() if replaced and key.startswith("residual.") else value.detach().clone()
     out["rng.torch"] = torch.get_rng_state()
+    if scaler is not None:
+        out.update({f"scaler.{key}": value for key, value in scaler.state_tensors().items()})
     return out
 
 
@@ -135,10 +140,10 @@ def rank_layout(state: dict[str, torch.Tensor], info: dict[str, Any]) -> Layout:
     return Layout("rank", [Slot("state", [TensorSpec.of(k, v) for k, v in state.items()])], info)
 
 
-def restore_rank_state(model: nn.Module, sync: Any, tensors: dict[str, torch.Tensor]) -> None:
-    """Put buffers, the sync strategy's state and the RNG state back from a rank slot's tensors."""
+def restore_rank_state(model: nn.Module, sync: Any, tensors: dict[str, torch.Tensor], scaler: Any = None) -> None:
+    """Put buffers, the sync strategy's state, the RNG state and the loss scale back from a rank slot's tensors."""
     buffers = dict(model.named_buffers())
-    sync_state = {}
+    sync_state, scaler_state = {}, {}
     with torch.no_grad():
         for key, tensor in tensors.items():
             kind, name = key.split(".", 1)
@@ -148,4 +153,8 @@ def restore_rank_state(model: nn.Module, sync: Any, tensors: dict[str, torch.Ten
                 sync_state[name] = tensor
             elif key == "rng.torch":
                 torch.set_rng_state(tensor.clone())
+            elif kind == "scaler":
+                scaler_state[name] = tensor
     sync.load_state_tensors(sync_state)
+    if scaler is not None:
+        scaler.load_state_tensors(scaler_state)

@@ -398,6 +398,11 @@ class Engine:
                 group["lr"] = lr * factor
 
     # ------------------------------------------------------------ inspection
+    @property
+    def loss_scaler(self) -> Any:
+        """The fp16 loss scaler the gate unscales with, if any (checkpoints keep its scale)."""
+        return self.gate.scaler if self.gate is not None else None
+
     def parameters(self) -> Iterable[nn.Parameter]:
         return (p for layer in self.layers for p in layer.params)
 

@@ -64,6 +64,21 @@ class LossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The scale and its counters, as tensors a checkpoint keeps (a resumed run scales as this one would)."""
+        return {"scale": torch.tensor(self.scale, dtype=torch.float64),
+                "good_steps": torch.tensor(self._good_steps, dtype=torch.int64),
+                "skipped_steps": torch.tensor(self.skipped_steps, dtype=torch.int64)}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take back what :meth:`state_tensors` gave; keys it lacks leave their value as it is."""
+        if "scale" in tensors:
+            self.scale = float(tensors["scale"])
+        if "good_steps" in tensors:
+            self._good_steps = int(tensors["good_steps"])
+        if "skipped_steps" in tensors:
+            self.skipped_steps = int(tensors["skipped_steps"])
+
     def update(self, overflowed: bool, step: int) -> None:
         """Adjust the scale after ``step``; raise :class:`TrainingDiverged` if it collapsed."""
         if overflowed:

@@ -179,3 +179,36 @@ def test_the_dax_path_writes_through_the_mapping_and_reads_back(tmp_path):
     assert reopened.verify(1).step == 5
     assert torch.equal(reopened.tensors(1, 0)["x"], data)
     reopened.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_fp16_loss_scale_is_checkpointed_and_restored(tmp_path):
+    """A resumed fp16 run scales its loss as the interrupted one would have (a fresh
+    scale would skip different steps, and the runs would part)."""
+    from convoy.engine.gradients import GradientGate, LossScaler
+
+    def checkpointed_engine(scaler):
+        torch.manual_seed(0)
+        model = lenet()
+        engine = Engine(model, torch.optim.SGD, AllReduce(None), gate=GradientGate(scaler=scaler), lr=0.01)
+        session = start_checkpointing(CheckpointSettings(str(tmp_path)), model, engine, torch.optim.SGD,
+                                      {"lr": 0.01}, total_steps=4, steps_per_epoch=4)
+        return model, engine, session
+
+    scaler = LossScaler(init_scale=1024.0)
+    for overflowed in (True, False, False):
+        scaler.update(overflowed, step=0)
+    model, engine, session = checkpointed_engine(scaler)
+    x, y = torch.randn(4, 1, 32, 32), torch.randint(0, 10, (4,))
+    engine.backward(scaler.scale_loss(torch.nn.functional.cross_entropy(model(x), y)))
+    engine.synchronize()
+    session.listener.close()
+    engine.close()
+
+    resumed = LossScaler()
+    _, engine2, session2 = checkpointed_engine(resumed)
+    assert session2.start.step == 1
+    assert {k: v.item() for k, v in resumed.state_tensors().items()} == {"scale": 512.0, "good_steps": 3,
+                                                                       "skipped_steps": 1}
+    session2.listener.close()
+    engine2.close()
