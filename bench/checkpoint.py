@@ -37,6 +37,7 @@ error feedback, and convoy writes differential checkpoints).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -244,7 +245,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=MODES + ("convoy_full",),
                         help="run only these modes (and none, the baseline); default: all")
     args = parser.parse_args()
-    rows, timelines = [], {}
+    rows, timelines, load_before = [], {}, os.getloadavg()[0]
     for name in args.models:
         root = Path(tempfile.mkdtemp(prefix="convoy-bench-ckpt-", dir=args.dir))
         try:
@@ -273,7 +274,8 @@ def main() -> None:
     settings = {"models": args.models, "steps": args.steps, "rounds": args.rounds, "batch_per_worker": args.batch, "world": 2,
                 "compress": args.compress,
                 "optimizer": "sgd momentum", "checkpoint_fs": fs_info(args.dir).describe(),
-                "note": "2-core machine shared with other jobs: figures are noisy"}
+                "note": "2-core machine shared with other jobs: figures are noisy",
+                "load_average_1min": [load_before, os.getloadavg()[0]]}
     stem = "checkpoint" if args.compress == "none" else f"checkpoint_{args.compress}"
     save(stem, settings, rows, ["model", "mode", "median_step_s", "overhead_%", "cpu_overhead_%", "path_cpu_ms",
                                 "persist_cpu_ms", "stall_ms", "MB_per_ckpt", "MB_written_per_s", "recovery_s"])

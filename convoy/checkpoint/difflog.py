@@ -160,19 +160,21 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 @dataclass
 class Chunks:
-    """A gradient as its runs of ``CHUNK`` elements that hold a non-zero bit (-0.0 included).
+    """A gradient as its runs of ``run`` elements that hold a non-zero bit (-0.0 included).
 
     ``chunks`` are the runs' indices (int32), ``rows`` their values
-    (``len(chunks) x CHUNK``) and ``tail`` the last ``numel % CHUNK`` elements,
+    (``len(chunks) x run``) and ``tail`` the last ``numel % run`` elements,
     kept whatever they are. Block-sparse updates (whole filters, rows) fill
-    their runs: finding them is one min/max pass over the gradient's bits,
-    much cheaper than finding every non-zero element, and no dense copy.
+    runs of ``CHUNK``: finding them is one min/max pass over the gradient's
+    bits, much cheaper than finding every non-zero element, and no dense copy.
+    Scattered elements (element-wise top-k) are runs of 1.
     """
 
     chunks: torch.Tensor
     rows: torch.Tensor
     tail: torch.Tensor
     numel: int
+    run: int = CHUNK
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.chunks, self.rows, self.tail]
@@ -191,6 +193,12 @@ def chunks_of(grad: torch.Tensor) -> Chunks:
         index = torch.nonzero(low.ne(0).logical_or_(high.ne(0))).view(-1)
     else:
         index = torch.zeros(0, dtype=torch.long)
+    if len(index) * 8 > full and flat.numel() < 2 ** 31:
+        # Many runs hold something: scattered elements (element-wise top-k) may be fewer bytes
+        # as positions and values; a dense update (low rank) is not.
+        positions = torch.nonzero(flat.view(_BITS[flat.element_size()])).view(-1)
+        if len(positions) * (4 + flat.element_size()) < len(index) * CHUNK * flat.element_size():
+            return Chunks(positions.to(torch.int32), flat[positions].view(-1, 1), flat[:0].clone(), flat.numel(), 1)
     return Chunks(index.to(torch.int32), head.view(full, CHUNK).index_select(0, index),
                   flat[full * CHUNK:].clone(), flat.numel())
 
@@ -198,11 +206,12 @@ def chunks_of(grad: torch.Tensor) -> Chunks:
 def dense(encoded: Chunks) -> torch.Tensor:
     """The flat gradient ``chunks_of`` encoded."""
     out = torch.zeros(encoded.numel, dtype=encoded.rows.dtype)
-    full = out.numel() // CHUNK
-    if len(encoded.tail) != out.numel() - full * CHUNK:
+    run = encoded.run
+    full = out.numel() // run
+    if len(encoded.tail) != out.numel() - full * run:
         raise FormatError(f"a record's run tail of {len(encoded.tail)} values does not fit {encoded.numel}")
-    out[:full * CHUNK].view(full, CHUNK).index_copy_(0, encoded.chunks.long(), encoded.rows)
-    out[full * CHUNK:] = encoded.tail
+    out[:full * run].view(full, run).index_copy_(0, encoded.chunks.long(), encoded.rows)
+    out[full * run:] = encoded.tail
     return out
 
 
@@ -222,7 +231,7 @@ def pack(step: int, buckets: list[BucketUpdate], skipped: list[str]) -> list[mem
     the step skipped), then the tensors' raw bytes."""
     header = {"step": step, "skipped": skipped,
               "buckets": [[b.layers, b.hyper, b.grad.numel, str(b.grad.rows.dtype).removeprefix("torch."),
-                           len(b.grad.chunks), len(b.grad.tail)] for b in buckets]}
+                           b.grad.run, len(b.grad.chunks), len(b.grad.tail)] for b in buckets]}
     raw = json.dumps(header).encode()
     return [memoryview(_HEAD.pack(len(raw)) + raw), *(raw_bytes(t) for b in buckets for t in b.grad.tensors())]
 
@@ -245,9 +254,9 @@ def unpack(raw: bytes) -> dict[str, Any]:
         return out
 
     buckets = []
-    for layers, hyper, numel, dtype_name, count, tail in header["buckets"]:
+    for layers, hyper, numel, dtype_name, run, count, tail in header["buckets"]:
         dtype = dtype_of(dtype_name)
         chunks = take(torch.int32, count)
-        grad = Chunks(chunks, take(dtype, count * CHUNK).view(count, CHUNK), take(dtype, tail), numel)
+        grad = Chunks(chunks, take(dtype, count * run).view(count, run), take(dtype, tail), numel, run)
         buckets.append(BucketUpdate(layers, hyper, grad))
     return {"step": header["step"], "buckets": buckets, "skipped": header["skipped"]}

@@ -74,7 +74,8 @@ def recovered(directory: Path):
 
 def test_updates_round_trip_bit_for_bit_negative_zero_included():
     grad = torch.zeros(5 * CHUNK + 7)
-    grad[CHUNK + 3:CHUNK + 10] = torch.randn(7)
+    grad[CHUNK:2 * CHUNK] = torch.randn(CHUNK)   # whole runs, as block-sparse updates fill them
+    grad[3 * CHUNK:4 * CHUNK] = torch.randn(CHUNK)
     grad[3 * CHUNK + 2] = -0.0
     grad[-2] = 1.5
     view = torch.zeros(1 + grad.numel())[1:]   # an odd offset: the bits cannot pair into 64-bit words
@@ -90,6 +91,16 @@ def test_updates_round_trip_bit_for_bit_negative_zero_included():
         back = dense(bucket.grad)
         bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[source.element_size()]
         assert torch.equal(back.view(bits), source.view(bits))
+
+
+def test_scattered_elements_are_kept_as_positions_and_round_trip():
+    grad = torch.zeros(64 * CHUNK)
+    grad[::CHUNK // 2] = torch.randn(2 * 64)   # every run holds two elements: positions are fewer bytes
+    grad[5] = -0.0
+    encoded = chunks_of(grad)
+    assert encoded.run == 1 and len(encoded.chunks) == 2 * 64 + 1
+    (bucket,) = unpack(b"".join(bytes(p) for p in pack(3, [BucketUpdate(["fc"], {}, encoded)], [])))["buckets"]
+    assert torch.equal(dense(bucket.grad).view(torch.int32), grad.view(torch.int32))
 
 
 @pytest.mark.timeout(900)
