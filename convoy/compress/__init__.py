@@ -22,13 +22,14 @@ MOMENTUM_CORRECTED_NAMES = (*SPARSE_NAMES, "powersgd")
 
 def build_compressor(name: str, *, blocks_per_layer: int | None = None, block_fraction: float | None = None,
                      block_metric: str = "l1", block_selection: str = "local", block_size: int | None = None,
-                     element_fraction: float = 0.01, powersgd_rank: int = 2) -> tuple[Compressor, Memory]:
+                     element_fraction: float = 0.01, powersgd_rank: int = 2,
+                     dense_below: int = 0) -> tuple[Compressor, Memory]:
     """Return the compressor called ``name`` and the error-feedback memory it uses.
 
     Args:
         name: one of ``COMPRESS_NAMES``.
-        blocks_per_layer, block_fraction, block_metric, block_selection, block_size: blocktopk's
-            settings (see :class:`BlockTopKCompressor`); the others ignore them.
+        blocks_per_layer, block_fraction, block_metric, block_selection, block_size, dense_below:
+            blocktopk's settings (see :class:`BlockTopKCompressor`); the others ignore them.
         element_fraction: share of elements that topk and randomk send.
         powersgd_rank: columns of powersgd's factors.
 
@@ -41,8 +42,8 @@ def build_compressor(name: str, *, blocks_per_layer: int | None = None, block_fr
     if name == "fp16":
         return FP16Compressor(), ResidualMemory()
     if name == "blocktopk":
-        return (BlockTopKCompressor(blocks_per_layer, block_fraction, block_metric, block_selection, block_size),
-                ResidualMemory())
+        return (BlockTopKCompressor(blocks_per_layer, block_fraction, block_metric, block_selection, block_size,
+                                    dense_below), ResidualMemory())
     if name == "topk":
         return TopKCompressor(element_fraction), ResidualMemory()
     if name == "randomk":

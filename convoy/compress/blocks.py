@@ -128,6 +128,8 @@ class BlockLayout:
     Args:
         shapes: the parameters' shapes, in the order they are concatenated.
         block_size: elements per block (see :func:`cut`); ``None``: rows.
+        dense_below: a parameter of fewer elements keeps all its blocks, whatever
+            the count or fraction asked (0: none does).
 
     Example::
 
@@ -138,8 +140,10 @@ class BlockLayout:
         4
     """
 
-    def __init__(self, shapes: Sequence[Sequence[int]], block_size: int | None = None):
-        self.block_size = block_size
+    def __init__(self, shapes: Sequence[Sequence[int]], block_size: int | None = None, dense_below: int = 0):
+        if dense_below < 0:
+            raise ValueError(f"dense_below must be >= 0, got {dense_below}")
+        self.block_size, self.dense_below = block_size, dense_below
         segments, offset = [], 0
         for shape in shapes:
             shape = tuple(int(d) for d in shape)
@@ -192,11 +196,13 @@ class BlockLayout:
 
     def kept_counts(self, count: int | None = None, fraction: float | None = None,
                     density: float | None = None) -> list[int]:
-        """Blocks :meth:`select` keeps of each segment for ``count`` or ``fraction`` (and ``density``)."""
+        """Blocks :meth:`select` keeps of each segment for ``count`` or ``fraction`` (and ``density``);
+        all of a segment of fewer than ``dense_below`` elements."""
         if (count is None) == (fraction is None):
             raise ValueError("give count or fraction, not both")
         floor = density or 0.0
-        return [min(s.blocks, max(count if count is not None else max(1, round(fraction * s.blocks)),
+        return [s.blocks if s.numel < self.dense_below else
+                min(s.blocks, max(count if count is not None else max(1, round(fraction * s.blocks)),
                                   round(floor * s.blocks)))
                 for s in self.segments]
 

@@ -34,6 +34,9 @@ class BlockTopKCompressor(Compressor):
         selection: ``"local"`` or ``"global"``.
         block_size: elements per block; ``None`` cuts parameters along their
             first dimension (a block is a row or a filter).
+        dense_below: parameters of fewer elements are sent whole every step
+            (small layers cost few bytes, and a classifier head sent at 1%
+            delays the whole network's start); 0: every parameter is cut.
 
     Example::
 
@@ -43,7 +46,8 @@ class BlockTopKCompressor(Compressor):
     """
 
     def __init__(self, blocks_per_layer: int | None = None, fraction: float | None = None,
-                 metric: str = "l1", selection: str = "local", block_size: int | None = None):
+                 metric: str = "l1", selection: str = "local", block_size: int | None = None,
+                 dense_below: int = 0):
         if blocks_per_layer is not None and fraction is not None:
             raise ValueError("give blocks_per_layer or fraction, not both")
         if blocks_per_layer is None and fraction is None:
@@ -58,7 +62,10 @@ class BlockTopKCompressor(Compressor):
             raise ValueError(f"unknown block selection {selection!r}; choose one of: {', '.join(SELECTIONS)}")
         if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if dense_below < 0:
+            raise ValueError(f"dense_below must be >= 0, got {dense_below}")
         self.blocks_per_layer, self.fraction, self.block_size = blocks_per_layer, fraction, block_size
+        self.dense_below = dense_below
         self.density = fraction
         self.metric, self.selection = metric, selection
         # Globally chosen blocks are the same on every rank: their values add up.
@@ -70,7 +77,7 @@ class BlockTopKCompressor(Compressor):
         shapes = tuple(tuple(s) for s in info.shapes) if info and info.shapes else ((tensor.numel(),),)
         layout = self._layouts.get(shapes)
         if layout is None:
-            layout = self._layouts[shapes] = BlockLayout(shapes, self.block_size)
+            layout = self._layouts[shapes] = BlockLayout(shapes, self.block_size, self.dense_below)
         if layout.numel != tensor.numel():
             raise ValueError(f"shapes {shapes} hold {layout.numel} values, the gradient {tensor.numel()}")
         return layout

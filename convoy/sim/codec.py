@@ -17,6 +17,8 @@ from convoy.errors import UsageError
 COMPRESSORS = ("none", "fp16", "randomk", "topk", "blocktopk", "powersgd")
 # convoy train's defaults, which flags() leaves out.
 DEFAULT_BLOCK_SIZE = 16
+# convoy train's --dense-below: blocktopk sends parameters of fewer elements whole.
+DEFAULT_DENSE_BELOW = 16384
 DEFAULT_POWERSGD_RANK = 2
 # The density a sparse compressor's warm-up starts from (convoy.sync.allreduce.WARMUP_START_DENSITY).
 RAMP_START = 0.25
@@ -36,6 +38,7 @@ class Compression:
         selection: blocktopk's ``local`` (all-gathered) or ``global`` (all-reduced).
         block_size: blocktopk's ``--block-size`` (elements per block); None: whole rows and filters.
         rank: powersgd's ``--powersgd-rank``.
+        dense_below: blocktopk's ``--dense-below`` (smaller parameters go whole).
 
     Example::
 
@@ -50,6 +53,7 @@ class Compression:
     selection: str = "local"
     block_size: int | None = DEFAULT_BLOCK_SIZE
     rank: int = DEFAULT_POWERSGD_RANK
+    dense_below: int = DEFAULT_DENSE_BELOW
 
     def __post_init__(self) -> None:
         if self.name not in COMPRESSORS:
@@ -74,7 +78,7 @@ class Compression:
             return "allgather", 2 * _SIZE_HEADER + 8 * kept_count(numel, self.fraction)  # value + int32 index
         if self.name == "powersgd":   # the second round: Q and the layers sent dense
             return "allreduce", 4 * PowerSGDCompressor(self.rank).payload_values(shapes)[1]
-        layout = BlockLayout(shapes, self.block_size)
+        layout = BlockLayout(shapes, self.block_size, self.dense_below)
         # blocktopk's own default: one block per parameter.
         counts = layout.kept_counts(None if self.block_fraction is not None else (self.blocks_per_layer or 1),
                                     self.block_fraction)
@@ -141,6 +145,8 @@ class Compression:
                 flags += ["--block-selection", self.selection]
             if self.block_size != DEFAULT_BLOCK_SIZE and self.block_size is not None:
                 flags += ["--block-size", str(self.block_size)]
+            if self.dense_below != DEFAULT_DENSE_BELOW:
+                flags += ["--dense-below", str(self.dense_below)]
         if self.name == "powersgd":
             flags += ["--powersgd-rank", str(self.rank)]
         return flags

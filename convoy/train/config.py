@@ -292,17 +292,22 @@ class CompressConfig:
     # Sparse compression that converges (DGC's fixes)
     block_size: int = _opt(16, "blocktopk: elements per block (exactly: the largest divisor of a parameter's "
                            "size not above N), so small and large layers are cut alike")
+    dense_below: int = _opt(16384, "blocktopk: parameters of fewer than N elements (biases, small layers, a "
+                            "classifier head) are sent whole every step; 0: every parameter is cut")
     # PowerSGD inside the engine
     powersgd_rank: int = _opt(2, "powersgd: R, columns of each layer's factors P and Q (an integer >= 1); a "
                               "layer whose matrix has a side of R or fewer, or that factors would not shrink "
                               "2x, is sent dense", count=True)
-    momentum_masking: bool = _opt(True, "with momentum correction and a sparse compressor: zero the velocity "
-                                  "where a value that had waited is sent")
+    momentum_masking: bool = _opt(False, "with momentum correction and a sparse compressor: zero the velocity "
+                                  "where a value that had waited is sent (DGC's momentum factor masking; off by "
+                                  "default: it slowed vgg_fc's start, docs/compression.md)")
     momentum_correction: bool = _opt(True, "blocktopk, topk, randomk, powersgd with sgd and --momentum > 0: "
                                      "accumulate the velocity on each worker and compress that (error feedback "
                                      "on the velocity), applying the average without the optimizer's momentum")
     clip_norm: float = _opt(5.0, "with momentum correction: clip each layer's local gradient to this L2 "
                             "norm / sqrt(workers) before accumulating it")
+    sparse_lr_scale: float = _opt(1.2, "blocktopk, topk, randomk without --lr: the model's default rate times "
+                                  "this (a sparse update arrives late; 1.2 measured on vgg_fc, docs/compression.md)")
 
     def validate(self) -> None:
         from convoy.compress import COMPRESS_NAMES, METRICS, SELECTIONS
@@ -321,8 +326,15 @@ class CompressConfig:
         if self.warmup_steps is not None:
             _at_least("warmup_steps", self.warmup_steps, 0)
         _at_least("block_size", self.block_size, 1)
+        _at_least("dense_below", self.dense_below, 0)
         _at_least("powersgd_rank", self.powersgd_rank, 1)
         _positive("clip_norm", self.clip_norm)
+        _positive("sparse_lr_scale", self.sparse_lr_scale)
+
+    def default_lr_scale(self) -> float:
+        """What the model's default rate is multiplied by when ``--lr`` is not given: ``sparse_lr_scale``
+        for a sparse compressor, else 1."""
+        return self.sparse_lr_scale if self.name in ("blocktopk", "topk", "randomk") else 1.0
 
     def warmup(self) -> int:
         """``--warmup-steps``, or its default: a density ramp for a compressor that sends a share."""
@@ -486,7 +498,7 @@ class TrainConfig:
 
     def _validate_precision(self) -> None:
         if self.optim.lr is None:
-            self.optim.lr = DEFAULT_LR.get(self.model.name, OTHER_MODELS_LR)
+            self.optim.lr = DEFAULT_LR.get(self.model.name, OTHER_MODELS_LR) * self.compress.default_lr_scale()
         _positive("lr", self.optim.lr)
         _one_of("amp", self.optim.amp, AMP_NAMES)
         _at_least("grad_accum", self.optim.grad_accum, 1)

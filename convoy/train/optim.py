@@ -84,7 +84,7 @@ def build_compression(config: TrainConfig, workers: int) -> tuple[Any, Any]:
         compress.name, blocks_per_layer=compress.blocks_per_layer, block_fraction=compress.block_fraction,
         block_metric=compress.block_metric, block_selection=compress.block_selection,
         block_size=compress.block_size, element_fraction=compress.element_fraction,
-        powersgd_rank=compress.powersgd_rank)
+        powersgd_rank=compress.powersgd_rank, dense_below=compress.dense_below)
     if corrects_momentum(config):
         # Masking zeroes the momentum of values sent whole; a low-rank payload sends part of every value.
         memory = MomentumCorrection(config.optim.momentum, compress.clip_norm, workers, config.optim.weight_decay,

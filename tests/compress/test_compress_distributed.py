@@ -121,7 +121,8 @@ def test_every_compression_option_is_checked_before_training(flags, expected):
 def test_train_records_the_compression_ratio_of_every_step(tmp_path):
     out = tmp_path / "run"
     result = convoy_in_process("train", "--compress", "blocktopk", "--block-fraction", "0.02", "--block-metric", "l2",
-                               "--warmup-steps", "2", "--steps", "6", "--out", str(out), "--no-progress")
+                               "--warmup-steps", "2", "--dense-below", "0", "--steps", "6", "--out", str(out),
+                               "--no-progress")
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (out / "metrics-rank0.jsonl").read_text().splitlines()]
     ratios = [r["compression_ratio"] for r in records if r["kind"] == "step"]

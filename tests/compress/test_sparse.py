@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from convoy.compress import BlockTopKCompressor, MomentumCorrection, ResidualMemory, TopKCompressor
+from convoy.compress import BlockTopKCompressor, LayerInfo, MomentumCorrection, ResidualMemory, TopKCompressor
 from convoy.compress.blocks import BlockLayout
 from convoy.engine import Engine
 from convoy.sync import AllReduce
@@ -60,6 +60,18 @@ def test_fixed_size_blocks_cut_small_and_large_layers_alike():
     layout = BlockLayout([(1024, 1024), (64, 32, 3, 3), (10, 84), (10,)], block_size=256)
     assert [(s.blocks, s.block_size) for s in layout.segments] == [(4096, 256), (72, 256), (4, 210), (1, 10)]
     assert layout.kept_counts(fraction=0.01) == [41, 1, 1, 1]
+
+
+def test_parameters_below_dense_below_are_sent_whole_and_the_others_cut():
+    layout = BlockLayout([(1024, 1024), (10, 1024), (10,)], block_size=16, dense_below=16384)
+    assert layout.kept_counts(fraction=0.01) == [655, 640, 1]      # the head and its bias whole
+    torch.manual_seed(0)
+    shapes = (torch.Size((64, 64)), torch.Size((10, 64)), torch.Size((10,)))
+    flat = torch.randn(4096 + 640 + 10)
+    compressor = BlockTopKCompressor(fraction=0.01, block_size=16, dense_below=1000)
+    sent = compressor.decompress(*compressor.compress(flat, "0", LayerInfo(shapes=shapes)))
+    assert torch.equal(sent[4096:], flat[4096:])                  # the small parameters, exactly
+    assert int((sent[:4096] != 0).sum()) == 48                     # 1% of 256 blocks: 3 blocks of 16
 
 
 def test_a_gradient_spike_cannot_leave_in_one_burst():
