@@ -7,7 +7,7 @@ import signal
 import sys
 
 from convoy.cli.launch import run_ranks
-from convoy.emulation import EmulatedCluster, Topology, leftover_namespaces, parse_rate, remove_namespaces
+from convoy.emulation import EmulatedCluster, Stragglers, Topology, leftover_namespaces, parse_rate, remove_namespaces
 from convoy.errors import UsageError
 
 DESCRIPTION = """\
@@ -22,6 +22,10 @@ COMMAND is `train [convoy train options]`, `profile-nodes [options]` or
 
   convoy bench cluster --hosts 4 --rate 100mbit -- train --model vgg_fc --steps 50
   convoy bench cluster --hosts 4 --rate 1gbit --racks 2 --inter-rack-rate 50mbit -- train
+  convoy bench cluster --hosts 4 --cluster bench/straggler.toml -- train --sync ps
+
+A cluster file (--cluster) makes hosts slower than the others: [hosts.N] with
+cpu = SHARE (its processes run SHARE of each 100 ms) and/or rate = "25mbit".
 """
 
 
@@ -35,6 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                          "(default: 100mbit)")
     cluster.add_argument("--racks", type=int, default=1, help="racks the hosts are split into (default: 1)")
     cluster.add_argument("--inter-rack-rate", help="rate of the link joining the racks (needed with --racks > 1)")
+    cluster.add_argument("--cluster", metavar="FILE", help="TOML file of slow hosts: [hosts.N] cpu = 0.25 "
+                         "(share of the CPU), rate = \"25mbit\" (its link)")
     cluster.add_argument("--cleanup", action="store_true",
                          help="only remove namespaces left by runs that were killed, then exit")
     cluster.add_argument("command", nargs=argparse.REMAINDER, help="train [...] or SCRIPT.py [...]")
@@ -63,8 +69,10 @@ def run_cluster(args: argparse.Namespace) -> int:
         remove_namespaces(stale)
         print(f"convoy: removed {len(stale)} namespaces")
         return 0
+    slow = Stragglers.read(args.cluster, args.hosts) if args.cluster else Stragglers()
     topology = Topology(args.hosts, parse_rate(args.rate), args.racks,
-                        parse_rate(args.inter_rack_rate) if args.inter_rack_rate else None)
+                        parse_rate(args.inter_rack_rate) if args.inter_rack_rate else None,
+                        tuple(sorted(slow.rate.items())))
     argv = _rank_command(args.command)
     # The namespaces have no DNS; c10d warns about it on every connection.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -72,6 +80,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     with EmulatedCluster(topology) as cluster:
         links = f"{args.rate} host links" + (f", {args.inter_rack_rate} between racks" if args.racks > 1 else "")
-        print(f"convoy: {args.hosts} emulated hosts in {args.racks} rack(s), {links}", flush=True)
-        return run_ranks(lambda rank: cluster.exec_prefix(rank) + argv, args.hosts,
+        stragglers = f"; {slow.describe()}" if slow.describe() else ""
+        print(f"convoy: {args.hosts} emulated hosts in {args.racks} rack(s), {links}{stragglers}", flush=True)
+        return run_ranks(lambda rank: cluster.exec_prefix(rank) + slow.command(rank, argv), args.hosts,
                          topology.address(0), "eth0")

@@ -52,6 +52,11 @@ class Topology:
     host_rate: float
     racks: int = 1
     inter_rack_rate: float | None = None
+    host_rates: tuple[tuple[int, float], ...] = ()   # (host, bits/s) of hosts whose link differs
+
+    def rate_of(self, host: int) -> float:
+        """The rate of ``host``'s link."""
+        return dict(self.host_rates).get(host, self.host_rate)
 
     def __post_init__(self) -> None:
         if not 1 <= self.hosts <= 250:

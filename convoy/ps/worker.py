@@ -133,6 +133,10 @@ class PushPull(AllReduce):
             raise ValueError("a parameter-server worker exchanges one layer per bucket (bucket_bytes=0)")
         units = self.job.units_of[id(bucket.layers[0].module)]
         step = self._exchanges.get(units[0], self._first_step)
+        if self.local_server_engine is not None and step > self._first_step:
+            # Colocated: this rank's checkpoint of step - 1 (its server's step end) reads this worker's
+            # error-feedback state; the step's first compression must not change it before.
+            self.local_server_engine.wait_for_step(step - 1)
         self._announce(step)
         for unit in units:
             server = self.job.server_of(unit)
