@@ -305,16 +305,6 @@ class PushPull(AllReduce):
         return lambda exc: self._waiter.fail(message, exc)
 
 
-def _rows_of(grad: torch.Tensor, layer_params: Sequence[torch.Tensor], unit_params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A unit's part of its layer's flat gradient: the unit's rows of every parameter, concatenated."""
-    parts, offset = [], 0
-    for whole, part in zip(layer_params, unit_params):
-        # The unit's parameter views the layer's from row ``start`` on: its byte offset says which.
-        start = (part.data_ptr() - whole.data_ptr()) // whole.element_size()
-        parts.append(grad.narrow(0, offset + start, part.numel()))
-        offset += whole.numel()
-    return torch.cat(parts)
-
     def _compute_hooks(self, model: nn.Module) -> list[Any]:
         """Forward spans of every layer, for the Chrome trace."""
         started: dict[int, float] = {}
@@ -333,3 +323,14 @@ def _rows_of(grad: torch.Tensor, layer_params: Sequence[torch.Tensor], unit_para
                                        time.time(), self._announced, layer=layer)
             handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
         return handles
+
+
+def _rows_of(grad: torch.Tensor, layer_params: Sequence[torch.Tensor], unit_params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A unit's part of its layer's flat gradient: the unit's rows of every parameter, concatenated."""
+    parts, offset = [], 0
+    for whole, part in zip(layer_params, unit_params):
+        # The unit's parameter views the layer's from row ``start`` on: its byte offset says which.
+        start = (part.data_ptr() - whole.data_ptr()) // whole.element_size()
+        parts.append(grad.narrow(0, offset + start, part.numel()))
+        offset += whole.numel()
+    return torch.cat(parts)
