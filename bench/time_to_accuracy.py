@@ -45,6 +45,8 @@ STRATEGIES: dict[str, list[str]] = {
     # Every host serves a shard of the parameters and trains (BytePS's colocated servers).
     "ps-colocated": ["train", "--sync", "ps", "--servers", "colocated", "--priority", "graph"],
     "ps-colocated-fifo": ["train", "--sync", "ps", "--servers", "colocated", "--priority", "fifo"],
+    # Bounded staleness for the straggler bench (bench/straggler.toml); refused until --staleness > 0 runs.
+    "ps-colocated-s2": ["train", "--sync", "ps", "--servers", "colocated", "--staleness", "2"],
     "ddp": [PEER],
     "powersgd": [PEER, "--powersgd-rank", "2"],
 }
@@ -59,7 +61,7 @@ def run_strategy(name: str, args: argparse.Namespace, out: Path) -> dict:
     if own and args.warmup_steps is not None:
         own += ["--warmup-steps", str(args.warmup_steps)]
     command = STRATEGIES[name] + common + own
-    result = subprocess.run(_launcher(command, args.hosts, args.rate), capture_output=True, text=True)
+    result = subprocess.run(_launcher(command, args.hosts, args.rate, args.cluster), capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{result.stderr[-3000:]}")
     evals = [r for r in _records(out / "metrics-rank0.jsonl") if r["kind"] == "eval"]
@@ -97,8 +99,11 @@ def step_figures(out: Path, skip: int = 1) -> dict:
     return {"step_s": statistics.mean(means), "MB_sent/step": statistics.mean(sent) / 1e6}
 
 
-def _launcher(command: list[str], hosts: int, rate: str) -> list[str]:
-    """``command`` on ``hosts`` emulated hosts, or as ``hosts`` local processes when ``rate`` is loopback."""
+def _launcher(command: list[str], hosts: int, rate: str, cluster: str | None = None) -> list[str]:
+    """``command`` on ``hosts`` emulated hosts (``cluster``: a cluster file that describes them, slow
+    hosts included), or as ``hosts`` local processes when ``rate`` is loopback."""
+    if cluster:
+        return [sys.executable, "-m", "convoy", "bench", "cluster", "--cluster", cluster, "--", *command]
     if rate != "loopback":
         return [sys.executable, "-m", "convoy", "bench", "cluster", "--hosts", str(hosts), "--rate", rate,
                 "--", *command]
@@ -144,6 +149,8 @@ def main() -> None:
                         help="also report the time to this accuracy (from the same runs' curves)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="convoy's compressors warm up over "
                         "the first N steps (default: convoy train's own default)")
+    parser.add_argument("--cluster", help="a cluster file for convoy bench cluster --cluster (it replaces --hosts "
+                        "and --rate), e.g. bench/straggler.toml: one host at a quarter of the others' speed")
     parser.add_argument("--tag", help="suffix of the result files' names, to keep several runs apart")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     args = parser.parse_args()

@@ -252,6 +252,12 @@ class Engine:
         if self.layers:
             self._wait_for(lambda: self._steps_done >= self.step - 1)
 
+    def wait_for_step(self, step: int) -> None:
+        """Block until the auxiliary thread has finished ``step`` (its updates and every listener's step end);
+        before the first step has started there is nothing to wait for."""
+        if self.layers:
+            self._wait_for(lambda: self._steps_done >= step)
+
     def stats(self, step: int) -> StepStats:
         """Accounting of ``step`` (blocks until the auxiliary thread has finished it)."""
         self._wait_for(lambda: self._steps_done >= step)

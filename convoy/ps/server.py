@@ -81,6 +81,7 @@ class ServeShard(SyncStrategy):
         self._workers = workers
         self.local_worker: Any = None   # colocated: this rank's PushPull, told when its units are updated
         self.local_worker_engine: Any = None   # and its engine
+        self._ended = -1                       # the last step whose updates all ran here
         self._waiter = ps_waiter()
         self._inbox = {(w, i): torch.empty(job.push.table[i][-1].offset + job.push.table[i][-1].numel,
                                            dtype=torch.uint8)
@@ -114,6 +115,7 @@ class ServeShard(SyncStrategy):
     def set_step(self, step: int) -> None:
         for layer in self.layers:
             self._next_step[layer], self._complete[layer] = step, step - 1
+        self._ended = step - 1
         if self.local_worker_engine is not None:   # colocated, resuming: the worker goes on from there too
             self.local_worker_engine.set_step(step)
 
@@ -133,14 +135,23 @@ class ServeShard(SyncStrategy):
     # A colocated rank's checkpoint is its server engine's: the state of its worker
     # (error feedback, a compressor's warm start, the step count) travels with it.
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return self.local_worker.state_tensors() if self.local_worker is not None else {}
+        if self.local_worker is None:
+            return {}
+        # Read at this engine's step end: the worker's state must be that of the same step, all its
+        # layers compressed (the worker starts the next step only after this step end).
+        self.local_worker_engine.wait_for_step(self._ended)
+        return self.local_worker.state_tensors()
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         if self.local_worker is not None:
             self.local_worker.load_state_tensors(tensors)
 
     def state_bytes_bound(self, params_bytes: int) -> int:
-        return self.local_worker.state_bytes_bound(params_bytes) if self.local_worker is not None else 0
+        """The worker's bound, for the whole model it trains (``params_bytes`` counts this shard only)."""
+        if self.local_worker is None:
+            return 0
+        model_bytes = sum(4 * self.job.numel(unit) for unit in range(len(self.job.layers)))
+        return self.local_worker.state_bytes_bound(max(params_bytes, model_bytes))
 
     def close(self) -> None:
         """Wait for every worker to end its streams, then end this server's streams."""
@@ -256,3 +267,6 @@ class Reply(Listener):
 
     def on_layer_updated(self, layer: Any, step: int) -> None:
         self.serve.reply(self.serve.shard.layer_of[id(layer.module)], step)
+
+    def on_step_end(self, step: int, stats: Any) -> None:
+        self.serve._ended = step

@@ -133,6 +133,10 @@ class PushPull(AllReduce):
             raise ValueError("a parameter-server worker exchanges one layer per bucket (bucket_bytes=0)")
         units = self.job.units_of[id(bucket.layers[0].module)]
         step = self._exchanges.get(units[0], self._first_step)
+        if self.local_server_engine is not None and step > self._first_step:
+            # Colocated: this rank's checkpoint of step - 1 (its server's step end) reads this worker's
+            # error-feedback state; the step's first compression must not change it before.
+            self.local_server_engine.wait_for_step(step - 1)
         self._announce(step)
         for unit in units:
             server = self.job.server_of(unit)
@@ -301,16 +305,6 @@ class PushPull(AllReduce):
         return lambda exc: self._waiter.fail(message, exc)
 
 
-def _rows_of(grad: torch.Tensor, layer_params: Sequence[torch.Tensor], unit_params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A unit's part of its layer's flat gradient: the unit's rows of every parameter, concatenated."""
-    parts, offset = [], 0
-    for whole, part in zip(layer_params, unit_params):
-        # The unit's parameter views the layer's from row ``start`` on: its byte offset says which.
-        start = (part.data_ptr() - whole.data_ptr()) // whole.element_size()
-        parts.append(grad.narrow(0, offset + start, part.numel()))
-        offset += whole.numel()
-    return torch.cat(parts)
-
     def _compute_hooks(self, model: nn.Module) -> list[Any]:
         """Forward spans of every layer, for the Chrome trace."""
         started: dict[int, float] = {}
@@ -329,3 +323,14 @@ def _rows_of(grad: torch.Tensor, layer_params: Sequence[torch.Tensor], unit_para
                                        time.time(), self._announced, layer=layer)
             handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
         return handles
+
+
+def _rows_of(grad: torch.Tensor, layer_params: Sequence[torch.Tensor], unit_params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A unit's part of its layer's flat gradient: the unit's rows of every parameter, concatenated."""
+    parts, offset = [], 0
+    for whole, part in zip(layer_params, unit_params):
+        # The unit's parameter views the layer's from row ``start`` on: its byte offset says which.
+        start = (part.data_ptr() - whole.data_ptr()) // whole.element_size()
+        parts.append(grad.narrow(0, offset + start, part.numel()))
+        offset += whole.numel()
+    return torch.cat(parts)

@@ -46,9 +46,9 @@ RUNS = {
     "ps_fp16": (*PS2, *LOUD, "--batch-size", "8", "--steps", "8", "--lr", "0.01", "--amp", "fp16", "--no-progress"),
     "allreduce_fp16": ("--nproc", "2", *LOUD, "--batch-size", "8", "--steps", "8", "--lr", "0.01", "--amp", "fp16",
                        "--no-progress"),
-    "ps_bf16": ("--nproc", "3", "--sync", "ps", "--model", "lenet", "--batch-size", "16", "--steps", "30",
+    "ps_bf16": ("--nproc", "3", "--sync", "ps", "--servers", "1", "--model", "lenet", "--batch-size", "16", "--steps", "30",
                 "--lr", "0.1", "--amp", "bf16", "--no-progress"),
-    "ps_blocktopk_clip": ("--nproc", "3", "--sync", "ps", *LENET, "--batch-size", "16", "--compress", "blocktopk",
+    "ps_blocktopk_clip": ("--nproc", "3", "--sync", "ps", "--servers", "1", *LENET, "--batch-size", "16", "--compress", "blocktopk",
                           *CLIP),
 }
 

@@ -186,7 +186,7 @@ def test_push_rows_cover_their_width_with_fixed_slices():
     (["--priority", "lifo"], "unknown --priority 'lifo'"),
     (["--nproc", "3", "--compress", "blocktopk", "--block-selection", "global"],
      "--block-selection global needs every rank to agree"),
-    (["--nproc", "4", "--servers", "2", "--checkpoint-dir", "ckpt-never-made"], "needs --servers 1"),
+    (["--nproc", "4", "--servers", "2", "--checkpoint-dir", "ckpt-never-made"], "needs --servers colocated or 1"),
     (["--nproc", "3", "--parallel", "hybrid", "--conv-workers", "2", "--fc-workers", "1"],
      "needs --nproc = --conv-workers + --fc-workers + --servers = 4"),
 ])

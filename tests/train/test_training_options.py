@@ -171,7 +171,7 @@ def test_loggers_leave_their_files(tmp_path: Path):
 
 def test_settings_refused_where_they_cannot_be_correct():
     hybrid = {"parallel": "hybrid", "conv_workers": 2, "fc_workers": 1}
-    for layout in ({"nproc": 3, "sync": "ps"}, {"nproc": 3, **hybrid}, {"nproc": 4, "sync": "ps", **hybrid}):
+    for layout in ({"nproc": 3, "sync": "ps", "servers": 1}, {"nproc": 3, **hybrid}, {"nproc": 4, "sync": "ps", **hybrid}):
         TrainConfig.from_flat(**layout, clip_grad_norm=1.0, grad_accum=2, amp="bf16").validate()   # every layout takes them
     with pytest.raises(UsageError, match="--clip-grad-norm must be > 0"):
         TrainConfig.from_flat(clip_grad_norm=0.0).validate()
