@@ -140,7 +140,7 @@ def test_a_failing_worker_stops_a_torchrun_job(tmp_path, failing_model):
 
 @pytest.mark.timeout(300)
 def test_a_missing_data_file_is_reported_by_name(tmp_path):
-    line = one_line_error(convoy("train", "--dataset", "mnist", "--data-dir", str(tmp_path), "--nproc", "1"))
+    line = one_line_error(convoy_in_process("train", "--dataset", "mnist", "--data-dir", str(tmp_path), "--nproc", "1"))
     assert str(tmp_path) in line and "train-images-idx3-ubyte" in line
 
 
