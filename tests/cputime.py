@@ -4,7 +4,8 @@ Per test (setup, call and teardown, module fixtures included where they run), th
 time of the pytest process, of the children it reaped, and of every process still alive below it
 (the fork server and the ranks it forked, which their parent reaps: counted through /proc, their
 own time plus their reaped children's). The summary lists the total and the 25 costliest tests;
-``CPUTIME_OUT=path`` also writes every test's (cpu_s, wall_s, nodeid) there as JSON.
+``CPUTIME_OUT=path`` also writes every test's [cpu_s, wall_s, nodeid] there, one JSON line per
+test as it ends (a run stopped early keeps what it measured).
 Wall time depends on what else the machine runs; CPU time much less.
 """
 from __future__ import annotations
@@ -54,12 +55,12 @@ def pytest_runtest_protocol(item, nextitem):
     cpu, wall = _cpu(), time.monotonic()
     yield
     _rows.append((_cpu() - cpu, time.monotonic() - wall, item.nodeid))
+    if os.environ.get("CPUTIME_OUT"):
+        with open(os.environ["CPUTIME_OUT"], "a") as f:
+            f.write(json.dumps(_rows[-1]) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter):
-    if os.environ.get("CPUTIME_OUT"):
-        with open(os.environ["CPUTIME_OUT"], "w") as f:
-            json.dump(_rows, f)
     rows = sorted(_rows, reverse=True)
     terminalreporter.write_sep("-", f"CPU time: {sum(r[0] for r in rows):.1f} s over {len(rows)} tests")
     for cpu, wall, nodeid in rows[:25]:
