@@ -118,8 +118,8 @@ def failing_model(user_module):
 @pytest.mark.timeout(300)
 def test_a_failing_worker_stops_the_local_job_quickly(tmp_path, failing_model):
     start = time.monotonic()
-    result = convoy("train", "--model", "bomb:factory", "--steps", "50", "--out", str(tmp_path / "r"),
-                    "--no-progress", env=failing_model)
+    result = convoy_in_process("train", "--model", "bomb:factory", "--steps", "50", "--out", str(tmp_path / "r"),
+                               "--no-progress", env=failing_model)
     assert result.returncode == 1
     assert time.monotonic() - start < 60
     assert "rank 1: RuntimeError: rank one exploded" in result.stderr
