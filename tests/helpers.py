@@ -80,7 +80,7 @@ def convoy(*args: str, cwd: Path | None = None, env: dict | None = None,
                           cwd=cwd, env={**os.environ, **(env or {})}, timeout=timeout)
 
 
-def convoy_in_process(*args: str) -> subprocess.CompletedProcess:
+def convoy_in_process(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The convoy command with this process as its launcher: exit status, stdout and stderr.
 
     What ``convoy`` itself prints and what the worker processes it starts print (through
@@ -88,7 +88,8 @@ def convoy_in_process(*args: str) -> subprocess.CompletedProcess:
     supervision, error reports); only its workers start differently: forked from the fork server
     that imported torch and convoy once (:class:`ForkedRank`), not as fresh interpreters that
     import them again (seconds of CPU each). Tests of the launcher process itself and of what a
-    fresh worker process does (signals, exit statuses) use :func:`convoy`.
+    fresh worker process does (signals, exit statuses) use :func:`convoy`. ``env`` (as from
+    :func:`importable`) is set for the command, its PYTHONPATH put on this process's ``sys.path``.
     """
     from convoy.cli import launch
     from convoy.cli.main import main
@@ -96,7 +97,7 @@ def convoy_in_process(*args: str) -> subprocess.CompletedProcess:
     out, err = io.StringIO(), io.StringIO()
     with tempfile.TemporaryFile("w+") as out_fd, tempfile.TemporaryFile("w+") as err_fd:
         with _file_descriptors_to(out_fd, err_fd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-                _attribute(launch, "subprocess", _FORKED_SUBPROCESS):
+                _attribute(launch, "subprocess", _FORKED_SUBPROCESS), _environment(env or {}):
             try:
                 code = main(list(args))
             except SystemExit as exc:   # argparse's own errors
@@ -153,6 +154,20 @@ def _forked_rank_main(argv: list[str], env: dict[str, str], cwd: str, launcher: 
 
 
 _FORKED_SUBPROCESS = type("ForkedSubprocess", (), {"Popen": ForkedRank})
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """Set ``env`` in ``os.environ`` and its PYTHONPATH on ``sys.path`` for the block."""
+    saved_environ, saved_path = dict(os.environ), list(sys.path)
+    os.environ.update(env)
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_environ)
+        sys.path[:] = saved_path
 
 
 @contextlib.contextmanager

@@ -118,8 +118,8 @@ def failing_model(user_module):
 @pytest.mark.timeout(300)
 def test_a_failing_worker_stops_the_local_job_quickly(tmp_path, failing_model):
     start = time.monotonic()
-    result = convoy("train", "--model", "bomb:factory", "--steps", "50", "--out", str(tmp_path / "r"),
-                    "--no-progress", env=failing_model)
+    result = convoy_in_process("train", "--model", "bomb:factory", "--steps", "50", "--out", str(tmp_path / "r"),
+                               "--no-progress", env=failing_model)
     assert result.returncode == 1
     assert time.monotonic() - start < 60
     assert "rank 1: RuntimeError: rank one exploded" in result.stderr
@@ -140,7 +140,7 @@ def test_a_failing_worker_stops_a_torchrun_job(tmp_path, failing_model):
 
 @pytest.mark.timeout(300)
 def test_a_missing_data_file_is_reported_by_name(tmp_path):
-    line = one_line_error(convoy("train", "--dataset", "mnist", "--data-dir", str(tmp_path), "--nproc", "1"))
+    line = one_line_error(convoy_in_process("train", "--dataset", "mnist", "--data-dir", str(tmp_path), "--nproc", "1"))
     assert str(tmp_path) in line and "train-images-idx3-ubyte" in line
 
 

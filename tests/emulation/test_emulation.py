@@ -10,7 +10,7 @@ import pytest
 
 from convoy.emulation import EmulatedCluster, Topology, leftover_namespaces, parse_rate
 from convoy.errors import UsageError
-from tests.helpers import convoy
+from tests.helpers import convoy, convoy_in_process
 
 needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                                  reason="network namespaces need root and iproute2")
@@ -78,10 +78,10 @@ def test_a_training_job_runs_across_emulated_hosts(tmp_path):
 @needs_netns
 def test_bad_cluster_input_is_one_line_and_exit_2():
     for args in (["--rate", "fast"], ["--hosts", "0"], ["--hosts", "3", "--racks", "2", "--inter-rack-rate", "1mbit"]):
-        result = convoy("bench", "cluster", *args, "--", "train")
+        result = convoy_in_process("bench", "cluster", *args, "--", "train")
         assert result.returncode == 2 and "Traceback" not in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
-    assert convoy("bench", "cluster", "--", "run.sh").returncode == 2
+    assert convoy_in_process("bench", "cluster", "--", "run.sh").returncode == 2
 
 
 # Busy for a second of wall time; prints the CPU seconds it got and its cgroup.

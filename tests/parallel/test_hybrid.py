@@ -12,7 +12,7 @@ from convoy.engine import Engine
 from convoy.errors import UsageError
 from convoy.parallel import HybridParallel, HybridRoles
 from convoy.sync import AllReduce
-from tests.helpers import convoy, digits, digits_batches, one_line_error, run_workers, seeded_model
+from tests.helpers import convoy_in_process, digits, digits_batches, one_line_error, run_workers, seeded_model
 
 STEPS = 6
 LR, MOMENTUM = 0.05, 0.9
@@ -145,14 +145,14 @@ HYBRID = ["train", "--parallel", "hybrid", "--no-progress", "--steps", "10"]
 ])
 @pytest.mark.timeout(300)
 def test_bad_hybrid_input_is_one_line_and_exit_2(args, expected, user_models):
-    assert expected in one_line_error(convoy(*HYBRID, *args, env=user_models))
+    assert expected in one_line_error(convoy_in_process(*HYBRID, *args, env=user_models))
 
 
 @pytest.mark.timeout(300)
 def test_an_fc_worker_crash_stops_the_conv_workers(tmp_path, user_models):
     start = time.monotonic()
-    result = convoy(*HYBRID, "--conv-workers", "2", "--fc-workers", "1", "--nproc", "3",
-                    "--model", "hybrid_models:head_bomb", "--out", str(tmp_path), env=user_models)
+    result = convoy_in_process(*HYBRID, "--conv-workers", "2", "--fc-workers", "1", "--nproc", "3",
+                               "--model", "hybrid_models:head_bomb", "--out", str(tmp_path), env=user_models)
     assert result.returncode == 1
     assert time.monotonic() - start < 60
     assert "rank 2: RuntimeError: the FC worker ran out of memory" in result.stderr
