@@ -163,6 +163,8 @@ def load_cluster(path: str | Path) -> Cluster:
         raise UsageError(f"cluster file {path} does not exist") from None
     except OSError as exc:
         raise UsageError(f"cannot read cluster file {path}: {exc}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"cluster file {path} is not text; give a TOML or JSON file") from None
     try:
         data = json.loads(text) if path.suffix == ".json" or text.lstrip().startswith("{") else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError) as exc:
