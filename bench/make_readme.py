@@ -189,6 +189,14 @@ def _sparse_block_size() -> str:
                    times(r.get("bytes_vs_dense"))] for r in rows])
 
 
+def _sparse_accuracy() -> str:
+    rows = rows_of("sparse_accuracy")
+    return table(["flags (with the issue's command)", "test accuracy", "MB sent per worker", "fewer bytes than dense",
+                  "points below dense"],
+                 [[f"`{r['flags']}`", f"{r['test_accuracy_%']:.2f}%", number(r["MB_sent"]), times(r["ratio_to_dense"]),
+                   f"{r['points_below_dense']:.2f}"] for r in rows])
+
+
 def _time_to_accuracy(*names: str, reference: str | None = None) -> Callable[[], str]:
     """Rows of time_to_accuracy files; ``reference`` supplies the dense row where a file has none."""
     def render() -> str:
@@ -465,6 +473,9 @@ BLOCKS: tuple[Block, ...] = (
           _compression_wire_bytes),
     Block("compression_accuracy", "Accuracy of the compressors, lenet, 4 workers", ("compression_accuracy",),
           "python -m bench.compression.accuracy", "torch DDP with torch's PowerSGD hook", _compression_accuracy),
+    Block("sparse_accuracy", "Compressed against dense, vgg_fc, 2 workers, 300 steps", ("sparse_accuracy",),
+          "python -m bench.sparse_accuracy", "dense all-reduce (accuracy and bytes over the whole run)",
+          _sparse_accuracy),
     Block("sparse_block_size", "blocktopk's block size", ("sparse_block_size",),
           "python -m bench.sparse_block_size", "dense all-reduce (accuracy and bytes)", _sparse_block_size),
     Block("tta_vgg_fc_100mbit", "Time to 97%: compressors, vgg_fc, 4 hosts at 100 Mbit",
