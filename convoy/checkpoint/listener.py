@@ -158,7 +158,7 @@ class CheckpointListener(Listener):
                  model_store: Store | None, model_generation: int = 0, rank_generation: int = 0,
                  rank_store: Store | None = None, peer_timeout_s: float = 300.0,
                  full_names: dict[str, str] | None = None, budget: float = DEFAULT_BUDGET,
-                 full_every: int = 0, copy_on_write: bool = True):
+                 full_every: int = 0, copy_on_write: bool = True, other_writers: list[int] = ()):
         if every != "auto" and (not isinstance(every, int) or every < 1):
             raise ValueError(f"every must be an integer >= 1 or 'auto', got {every!r}")
         if not 0.0 < budget < 1.0:
@@ -171,6 +171,7 @@ class CheckpointListener(Listener):
         self.model, self.engine = model, engine
         self.last_step, self.steps_per_epoch = last_step, steps_per_epoch
         self.rank, self.writer_rank, self.local_ranks = rank, writer_rank, local_ranks
+        self.other_writers = list(other_writers)
         self.model_store, self.rank_store = model_store, rank_store
         self._model_gen, self._rank_gen = model_generation, rank_generation
         self._last_rank_step = max(rank_store.committed_steps(), default=-1) if rank_store else -1
@@ -410,6 +411,10 @@ class CheckpointListener(Listener):
         if self.rank != self.writer_rank:
             # Never let this file get two checkpoints ahead of the model file.
             self._await_peer(model_file(self.directory, self.writer_rank), self._last_rank_step)
+        for writer in self.other_writers:
+            # Nor a model file two checkpoints ahead of another: each keeps two, and a
+            # resume needs a step every file holds.
+            self._await_peer(model_file(self.directory, writer), self._last_rank_step)
         self._persist_rank_state(done, epoch, position, state)
         if self.model_store is not None:
             for peer in self.local_ranks:

@@ -117,6 +117,16 @@ def _open_reports(path: Path, signature: str | None, layout: Layout | None) -> l
         store.close()
 
 
+def _other_writers_here(writer: int, writers: list[int]) -> list[int]:
+    """The writers of the other model files in this node's directory (hybrid groups, colocated
+    shards, hierarchical ranks): each writer keeps within one checkpoint of them, so that the
+    files always share a step to resume from (each keeps only two)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    node = range(rank - local_rank, rank - local_rank + int(os.environ.get("LOCAL_WORLD_SIZE", len(writers))))
+    return sorted({w for w in writers if w != writer and w in node})
+
+
 def _gather(value: Any, world: int) -> list[Any]:
     if world == 1:
         return [value]
@@ -155,10 +165,10 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
     # Files whose areas are all empty (killed before the first commit) are no checkpoint;
     # any committed area, of the model file or of a rank's own file, is the user's data.
     found = any(not r.empty for r in (model_reports or []) + (rank_reports or []))
-    everyone = _gather((found, steps), world)
+    everyone = _gather((found, steps, writer), world)
     start = ResumePoint()
-    if any(found for found, _ in everyone):
-        common = set.intersection(*(set(s) for _, s in everyone))
+    if any(found for found, _, _ in everyone):
+        common = set.intersection(*(set(s) for _, s, _ in everyone))
         if not common:
             described = "; ".join([f"{p.name}: {r.describe()}" for p, reports in ((mpath, model_reports),
                                    (rpath, rank_reports)) for r in reports or []]
@@ -180,6 +190,7 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
     listener = CheckpointListener(directory, model, engine, every=settings.every, last_step=total_steps - 1,
                                   steps_per_epoch=steps_per_epoch, rank=rank, writer_rank=writer,
                                   local_ranks=peers, model_store=model_store, full_names=full_names,
+                                  other_writers=_other_writers_here(writer, [w for _, _, w in everyone]),
                                   model_generation=model_gen, rank_generation=rank_gen, rank_store=rank_store,
                                   peer_timeout_s=settings.timeout_s, budget=settings.budget,
                                   full_every=settings.full_every if differential_ok(engine.sync) else 0,
