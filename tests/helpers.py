@@ -11,16 +11,20 @@ import io
 import multiprocessing
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
 import pytest
 import torch
 from torch import nn
 
+from convoy.checkpoint.listener import committed_step
 from convoy.utils.spawn import free_port, rank_entry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,3 +271,37 @@ def profile_toml(slow: tuple[int, ...], disk: object = 400) -> str:
     fast = "[all]\n" + indicator_table(cpu_mhz=3000, memory_gb=16, gpu_mhz=0, gpu_memory_gb=0, disk_mbps=disk,
                                        uplink_mbps=1000) + "\n"
     return fast + "".join(f"[ranks.{rank}]\ncpu_mhz = 1200\nuplink_mbps = 50\n" for rank in slow)
+
+
+def kill_at_checkpoint(args: tuple[str, ...] | list[str], checkpoints: Path, files: int, step: int,
+                       delay_s: float, timeout_s: float = 600) -> None:
+    """Run ``convoy train *args`` and SIGKILL every process of it ``delay_s`` after its ``files`` model
+    files (``model-rank*.ckpt`` in ``checkpoints``) all committed ``step`` or later.
+
+    The kill is placed by the job's progress, not by the clock, so a fast machine cannot finish the
+    job before it; ``delay_s`` (a small seeded draw) moves it to a random point of a later step.
+    Fails when the job ends, or gets no checkpoint within ``timeout_s``, before the kill.
+    """
+    require_timeout("kill_at_checkpoint")
+    launcher = subprocess.Popen([sys.executable, "-m", "convoy", "train", *args], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            committed = [committed_step(path) for path in checkpoints.glob("model-rank*.ckpt")]
+            if len(committed) >= files and min(committed) >= step:
+                break
+            assert launcher.poll() is None, launcher.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, f"no checkpoint of step {step} within {timeout_s} s"
+            time.sleep(0.005)
+        time.sleep(delay_s)
+        assert launcher.poll() is None, "the job ended before the kill"
+    finally:
+        ranks = psutil.Process(launcher.pid).children(recursive=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        for rank in ranks:    # also those a launcher started in sessions of their own
+            with contextlib.suppress(psutil.NoSuchProcess):
+                rank.kill()
+        launcher.wait(timeout=30)
+        psutil.wait_procs(ranks, timeout=30)

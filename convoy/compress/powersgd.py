@@ -66,19 +66,26 @@ class _Exchange:
     remote: bool = False   # the final payload carries the bases (a receiver without the rounds decodes it)
 
 
-def orthonormalise(matrix: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def orthonormalise(matrix: torch.Tensor, eps: float = 1e-8, rel_tol: float = 1e-5) -> torch.Tensor:
     """Gram-Schmidt on ``matrix``'s columns, in place; returns it.
 
-    A column that is (nearly) in the span of the ones before it is left at
-    that small length instead of being divided by zero: it then carries
-    (almost) nothing, and no NaN reaches the factors.
+    A column (nearly) in the span of the ones before it is zeroed instead of
+    normalised: what is left of it after the projection is rounding error
+    (below ``rel_tol`` of its length before), and scaling that up to unit
+    length would add an arbitrary direction whose size depends on the CPU's
+    rounding. Zero columns carry nothing, and no NaN reaches the factors.
     """
     for i in range(matrix.shape[1]):
         column = matrix[:, i]
         if i:
             before = matrix[:, :i]
+            length = torch.linalg.vector_norm(column)
             column.sub_(before @ (before.T @ column))
-        column.div_(torch.linalg.vector_norm(column).clamp_min(eps))
+            left = torch.linalg.vector_norm(column)
+            # One scale, no branch: 1 / length, or 0 where only rounding error is left.
+            column.mul_(torch.where(left > length * rel_tol + eps, 1 / left.clamp_min(eps), 0.0))
+        else:
+            column.div_(torch.linalg.vector_norm(column).clamp_min(eps))
     return matrix
 
 

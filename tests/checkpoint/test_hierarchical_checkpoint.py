@@ -9,54 +9,18 @@ the clusters of the checkpoint, or its training would differ.
 """
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
-from convoy.checkpoint.listener import committed_step
-from tests.helpers import convoy_in_process, profile_toml
+from tests.helpers import convoy_in_process, kill_at_checkpoint, profile_toml
 
 # A job starts in seconds alone, in minutes on a machine shared with other test runs.
 RUN_TIMEOUT_S = 600
 STEPS = 40
 JOB = ("--nproc", "4", "--sync", "hierarchical", "--clusters", "2", "--exchange-every", "2", "--batch-size", "8",
        "--steps", str(STEPS), "--no-progress")
-
-
-def _kill_after_a_random_checkpoint(args: list[str], checkpoints: Path, rng: random.Random) -> int:
-    """Start ``convoy train args``, SIGKILL every process of it once the model files hold a step
-    drawn at random (after the first checkpoint), and return that step."""
-    launcher = subprocess.Popen([sys.executable, "-m", "convoy", "train", *args], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
-    target = rng.randrange(2, STEPS // 2, 2)   # checkpoints fall on exchange steps: even counts
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while min((committed_step(p) for p in checkpoints.glob("model-rank*.ckpt")), default=-1) < target:
-        assert launcher.poll() is None, launcher.stderr.read()
-        assert time.monotonic() < deadline, "the job never reached its checkpoint"
-        time.sleep(0.005)
-    time.sleep(rng.uniform(0.0, 0.05))
-    processes = [launcher.pid] + [child.pid for child in psutil.Process(launcher.pid).children(recursive=True)]
-    for pid in processes:
-        os.kill(pid, signal.SIGKILL)
-    launcher.wait(timeout=30)
-    assert launcher.returncode == -signal.SIGKILL
-    psutil.wait_procs([p for p in map(_process, processes[1:]) if p is not None], timeout=30)
-    return target
-
-
-def _process(pid: int) -> psutil.Process | None:
-    try:
-        return psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return None
 
 
 @pytest.mark.timeout(1800)
@@ -69,9 +33,11 @@ def test_sigkilled_hierarchical_job_resumes_bit_identical(tmp_path):
     whole = convoy_in_process("train", *JOB, "--node-profile", str(first), "--out", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr
 
-    target = _kill_after_a_random_checkpoint(
-        [*JOB, "--node-profile", str(first), "--checkpoint-dir", str(checkpoints), "--out", str(tmp_path / "a")],
-        checkpoints, random.Random(20261125))
+    rng = random.Random(20261125)
+    target = rng.randrange(2, STEPS // 2, 2)   # checkpoints fall on exchange steps: even counts
+    kill_at_checkpoint([*JOB, "--node-profile", str(first), "--checkpoint-dir", str(checkpoints),
+                        "--out", str(tmp_path / "a")], checkpoints, files=2, step=target,
+                       delay_s=rng.uniform(0.0, 0.05), timeout_s=RUN_TIMEOUT_S)
     # One model file per cluster, written by its first rank.
     assert sorted(p.name for p in checkpoints.glob("model-rank*.ckpt")) == ["model-rank0.ckpt", "model-rank1.ckpt"]
 
