@@ -221,24 +221,27 @@ def _time_to_accuracy(*names: str, reference: str | None = None) -> Callable[[],
     return render
 
 
-def _versus_peer(name: str, peer: str = "powersgd") -> Callable[[], str]:
-    """A time_to_accuracy run's rows against its ``peer`` row: times to 95% and to the target, and the
-    peer's time over each (a peer that never got there within the run's steps is named as such)."""
+def _versus_peer(*names: str, peer: str = "powersgd") -> Callable[[], str]:
+    """Rows of time_to_accuracy runs, each against its own run's ``peer`` row: times to 95% and to the
+    target, and the peer's time over each (a peer that never got there within its steps is named)."""
     def render() -> str:
-        data = load(name)
-        rows = data["rows"] if data else []
-        mine = next((r for r in rows if r["strategy"] == peer), {})
+        cells = []
+        for run, name in enumerate(names, 1):
+            rows = (load(name) or {}).get("rows", [])
+            mine = next((r for r in rows if r["strategy"] == peer), {})
 
-        def ratio(row: dict, key: str) -> str:
-            if row is mine or not row.get(key):
-                return "-"
-            return times(mine[key] / row[key]) if mine.get(key) else "peer not reached"
-        return table(["strategy", "time to 95%", f"vs {peer}", "time to 97%", f"vs {peer}", "best accuracy",
-                      "step", "MB / step / worker"],
-                     [[r["strategy"], seconds(r.get("time_to_0.95_s"), "not reached"), ratio(r, "time_to_0.95_s"),
-                       seconds(r.get("time_to_target_s"), "not reached"), ratio(r, "time_to_target_s"),
+            def ratio(row: dict, key: str) -> str:
+                if row is mine or not row.get(key):
+                    return "-"
+                return times(mine[key] / row[key]) if mine.get(key) else "peer not reached"
+            cells += [[*([str(run)] if len(names) > 1 else []), r["strategy"],
+                       seconds(r.get("time_to_0.95_s"), "not reached"), ratio(r, "time_to_0.95_s"),
+                       seconds(r.get("time_to_target_s"), "not reached") if "error" not in r
+                       else f"failed: {r['error']}", ratio(r, "time_to_target_s"),
                        percent(r.get("final_accuracy")), seconds(r.get("step_s")), number(r.get("MB_sent/step"))]
-                      for r in rows])
+                      for r in rows]
+        return table([*(["run"] if len(names) > 1 else []), "strategy", "time to 95%", f"vs {peer}",
+                      "time to 97%", f"vs {peer}", "best accuracy", "step", "MB / step / worker"], cells)
     return render
 
 
@@ -518,6 +521,14 @@ BLOCKS: tuple[Block, ...] = (
           "--strategies powersgd convoy-powersgd blocktopk",
           "DDP + torch's PowerSGD hook (rank 2) in the same run (powersgd; the ratios are its time over each row's)",
           _versus_peer("time_to_accuracy_vgg_fc_100mbit_i18"), emulated=True),
+    Block("tta_resnet18_100mbit_peer", "Time to 95% and 97%: resnet18, convoy's compressors against DDP + PowerSGD",
+          ("time_to_accuracy_resnet18_100mbit_i18", "time_to_accuracy_resnet18_100mbit_i18b"),
+          "python bench/time_to_accuracy.py --hosts 4 --rate 100mbit --model resnet18 --target 0.97 --eval-every 25 "
+          "--tag i18 --strategies powersgd convoy-powersgd blocktopk fp16 (run 1); --tag i18b --strategies "
+          "powersgd fp16 (run 2)",
+          "DDP + torch's PowerSGD hook (rank 2), in each run (the ratios are its time in that run over each row's)",
+          _versus_peer("time_to_accuracy_resnet18_100mbit_i18", "time_to_accuracy_resnet18_100mbit_i18b"),
+          emulated=True),
     Block("tta_lenet_100mbit", "Time to 97%: lenet, 4 hosts at 100 Mbit", ("time_to_accuracy_lenet_100mbit",),
           "python bench/time_to_accuracy.py --model lenet --lr 0.05 --batch-size 32 --steps 600 --eval-every 20 "
           "--rate 100mbit", "torch DDP and DDP + PowerSGD",
