@@ -7,6 +7,7 @@ by S steps and never more.
 """
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -16,7 +17,7 @@ from torch import nn
 
 from convoy.parallel.ps import ParameterServerLayout
 from convoy.ps import PSSettings
-from tests.helpers import digits_batches, flat, run_workers, seeded_model
+from tests.helpers import convoy_in_process, digits_batches, flat, run_workers, seeded_model
 
 WORLD, STEPS, BATCH = 3, 10, 8
 HYPER = {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
@@ -162,3 +163,16 @@ def test_fast_ranks_run_s_steps_ahead_of_a_slow_one_and_never_more(job, stalenes
         # Really S ahead: step t starts before the slow rank has finished the forward of step t - S.
         ahead = [t for t in range(staleness + 1, STEPS) if begin[t] < slow["done"][t - staleness]]
         assert len(ahead) >= (STEPS - staleness - 1) // 2, (rank, ahead)
+
+
+@pytest.mark.timeout(600)
+def test_cli_trains_with_staleness_2_and_evaluates_between_steps(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # the run folder goes to runs/ under the current directory
+    done = convoy_in_process("train", "--model", "lenet", "--batch-size", "8", "--steps", "6", "--eval-every", "3",
+                             "--nproc", "3", "--sync", "ps", "--staleness", "2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = next(tmp_path.glob("runs/*/summary.json")).parent
+    records = [json.loads(line) for line in (run / "metrics-rank0.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [3, 6]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 6
+    assert (run / "model.pt").exists()
