@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from convoy.errors import UsageError
 from convoy.parallel.ps import ParameterServerLayout
 from convoy.ps import PSSettings
 from tests.helpers import convoy_in_process, digits_batches, flat, run_workers, seeded_model
@@ -176,3 +177,9 @@ def test_cli_trains_with_staleness_2_and_evaluates_between_steps(tmp_path, monke
     assert [r["step"] for r in records if r["kind"] == "eval"] == [3, 6]
     assert json.loads((run / "summary.json").read_text())["steps"] == 6
     assert (run / "model.pt").exists()
+
+
+def test_the_library_refuses_staleness_with_dedicated_servers():
+    with pytest.raises(UsageError, match="--staleness needs --servers colocated"):
+        PSSettings.resolve(servers=2, staleness=1)
+    assert PSSettings.resolve(servers="colocated", staleness=2).staleness == 2
