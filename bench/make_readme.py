@@ -529,6 +529,12 @@ BLOCKS: tuple[Block, ...] = (
           "DDP + torch's PowerSGD hook (rank 2), in each run (the ratios are its time in that run over each row's)",
           _versus_peer("time_to_accuracy_resnet18_100mbit_i18", "time_to_accuracy_resnet18_100mbit_i18b"),
           emulated=True),
+    Block("tta_vgg_fc_straggler", "Time to 97%: vgg_fc, 4 hosts at 100 Mbit, one at a quarter of the others' speed",
+          ("time_to_accuracy_vgg_fc_100mbit_straggler",),
+          "python bench/time_to_accuracy.py --model vgg_fc --target 0.97 --cluster bench/straggler.toml "
+          "--tag straggler --strategies dense ps-colocated ps-colocated-s2",
+          "convoy's all-reduce (dense) in the same run; ps-colocated-s2 is --staleness 2",
+          _time_to_accuracy("time_to_accuracy_vgg_fc_100mbit_straggler"), emulated=True),
     Block("tta_lenet_100mbit", "Time to 97%: lenet, 4 hosts at 100 Mbit", ("time_to_accuracy_lenet_100mbit",),
           "python bench/time_to_accuracy.py --model lenet --lr 0.05 --batch-size 32 --steps 600 --eval-every 20 "
           "--rate 100mbit", "torch DDP and DDP + PowerSGD",

@@ -45,7 +45,7 @@ STRATEGIES: dict[str, list[str]] = {
     # Every host serves a shard of the parameters and trains (BytePS's colocated servers).
     "ps-colocated": ["train", "--sync", "ps", "--servers", "colocated", "--priority", "graph"],
     "ps-colocated-fifo": ["train", "--sync", "ps", "--servers", "colocated", "--priority", "fifo"],
-    # Bounded staleness for the straggler bench (bench/straggler.toml); refused until --staleness > 0 runs.
+    # Bounded staleness (the forward of step t on the parameters of step t - 2), for the straggler bench.
     "ps-colocated-s2": ["train", "--sync", "ps", "--servers", "colocated", "--staleness", "2"],
     "ddp": [PEER],
     "powersgd": [PEER, "--powersgd-rank", "2"],

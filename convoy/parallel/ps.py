@@ -46,7 +46,8 @@ def server_engine(job: PSJob, rank: int, optimizer_class: type[torch.optim.Optim
     if not job.layers_of(rank):
         raise UsageError(f"--servers {job.roles.servers}: server rank {rank} would hold no layer (the model has "
                          f"{len(job.layers)}); use fewer servers")
-    shard = Shard(job, job.layers_of(rank), buffers_of=buffers_of)
+    # Under staleness a colocated rank's worker computes on older parameters than its server updates.
+    shard = Shard(job, job.layers_of(rank), buffers_of=buffers_of, own_storage=job.settings.staleness > 0)
     sync = ServeShard(job, rank, shard, timeline)
     return Engine(shard, optimizer_class, sync, listeners=sync.listeners(), lr_lambda=lr_lambda, bucket_bytes=0,
                   gate=gate, **hyper)
@@ -206,7 +207,7 @@ class ParameterServerLayout(ParallelLayout):
             self._average_buffers()
             self.model.eval()
             shard = shard_indices(len(test), self.roles.num_workers, self.data_rank)
-            with torch.no_grad():
+            with torch.no_grad(), self.engine.sync.newest_parameters():
                 for x, y in chunks(test, shard):
                     totals += tally(self.model(x.to(device)), y.to(device))
         return finish(totals)
@@ -223,7 +224,10 @@ class ParameterServerLayout(ParallelLayout):
         """The whole model on rank 0 (None elsewhere), from the first worker; a collective."""
         if self.server_engine is not None:
             self._share_restored_shards()
-        state = [self.model.state_dict() if self.rank == self.roles.first_worker else None]
+        state: list[Any] = [None]
+        if self.rank == self.roles.first_worker:
+            with self.engine.sync.newest_parameters():   # copies: the block ends with older parameters in place
+                state = [{name: value.clone() for name, value in self.model.state_dict().items()}]
         dist.broadcast_object_list(state, src=self.roles.first_worker)
         return state[0] if self.rank == 0 else None
 

@@ -141,7 +141,9 @@ class Shard(nn.Module):
 
     The children are named ``p<unit index>`` and hold the very ``Parameter``
     objects of the model (colocated: views of their storage; no copy either way), under their own names, so the engine trains
-    exactly the server's share and a checkpoint of it holds nothing else. With
+    exactly the server's share and a checkpoint of it holds nothing else. With ``own_storage`` (colocated
+    servers under bounded staleness) they hold copies instead: the worker of the same rank computes on
+    older parameters than its server updates. With
     ``buffers_of``, the shard also mirrors that model's buffers under their own
     names (modules without parameters), so a worker's rank file, which keeps
     the buffers of the module it checkpoints, restores its batch-norm statistics.
@@ -153,12 +155,17 @@ class Shard(nn.Module):
         ['p0.weight', 'p0.bias', 'p3.weight', 'p3.bias']
     """
 
-    def __init__(self, job: PSJob, layers: Sequence[int], buffers_of: nn.Module | None = None):
+    def __init__(self, job: PSJob, layers: Sequence[int], buffers_of: nn.Module | None = None,
+                 own_storage: bool = False):
         super().__init__()
         self.layer_of: dict[int, int] = {}   # id(child) -> layer index
+        self.params_of: dict[int, list[nn.Parameter]] = {}   # layer index -> the parameters updated here
         self.full_names: dict[str, str] = {}  # the shard's state_dict keys -> the model's
         for index in layers:
             name, module, params = job.layers[index]
+            if own_storage:
+                params = [nn.Parameter(p.detach().clone()) for p in params]
+            self.params_of[index] = params
             holder = nn.Module()
             # A unit's parameters are the layer's (or, colocated, views of them), in the layer's order.
             names = [pname for pname, p in module.named_parameters(recurse=False) if p.requires_grad]

@@ -12,6 +12,16 @@ the server's :class:`~convoy.ps.job.Shard` and is driven by ``Engine.run_step``
    lives; the engine's listeners then see it final: first this strategy's
    :class:`Reply`, which queues the layer's parameters to every worker in
    priority order, then a checkpoint's snapshot of the shard.
+
+Under bounded staleness S (colocated servers) a worker pushes step t while the
+server may still wait for a slower worker's push of step t - S, so a unit has up
+to S + 1 steps outstanding: the inbox keeps S + 1 rows per (worker, unit) and
+the outbox S + 1 copies of the parameters being sent, each step in slot
+``step % (S + 1)``, and arrivals are counted per step (slices of two steps may
+interleave). A slot is reused only after its last use: a worker's push of step
+t + S + 1 needs the update of step t, which consumed the rows of step t, and the
+update of step t + S + 1 needs every worker's push of that step, which needs the
+parameters of step t, fully received.
 """
 from __future__ import annotations
 
@@ -38,7 +48,7 @@ class _Pushes(PendingSync):
         self.owner, self.layer, self.step = owner, layer, step
 
     def is_done(self) -> bool:
-        return self.owner._complete[self.layer] >= self.step
+        return (self.layer, self.step) in self.owner._complete
 
     def wait(self) -> torch.Tensor:
         owner = self.owner
@@ -47,8 +57,10 @@ class _Pushes(PendingSync):
         width, dtypes, ctx, compressor = job.codec.row(self.layer, job.numel(self.layer), job.shapes(self.layer),
                                                        self.step)
         job.codec.forget(self.layer, self.step)
-        rows = [owner._row(worker, self.layer)[:width] for worker in workers]   # worker order: a fixed sum
+        rows = [owner._row(worker, self.layer, self.step)[:width] for worker in workers]   # worker order: a fixed sum
         grad = sum_rows(compressor, rows, dtypes, ctx).div_(len(workers))
+        with owner._waiter.cond:
+            owner._complete.discard((self.layer, self.step))
         owner._update_start[self.layer] = time.time()
         return grad
 
@@ -83,15 +95,15 @@ class ServeShard(SyncStrategy):
         self.local_worker_engine: Any = None   # and its engine
         self._ended = -1                       # the last step whose updates all ran here
         self._waiter = ps_waiter()
-        self._inbox = {(w, i): torch.empty(job.push.table[i][-1].offset + job.push.table[i][-1].numel,
+        self._slots = job.settings.staleness + 1   # steps a unit may have outstanding
+        self._inbox = {(w, i): torch.empty(self._slots, job.push.table[i][-1].offset + job.push.table[i][-1].numel,
                                            dtype=torch.uint8)
                        for i in self.layers for w in job.layer_workers[i] if w != rank}
-        self._local_rows: dict[int, torch.Tensor] = {}   # colocated: this rank's own push row of each unit
-        self._outbox = {i: torch.empty(job.numel(i)) for i in self.layers}   # parameters being sent back
-        self._expected: dict[tuple[int, int], int] = {}   # (layer, step) -> push slices per worker
-        self._arrived: dict[tuple[int, int], int] = {}    # (worker, layer) -> slices of its pending push
-        self._done_workers = {i: 0 for i in self.layers}
-        self._complete = {i: -1 for i in self.layers}      # last step whose pushes are all in
+        self._local_rows: dict[tuple[int, int], torch.Tensor] = {}   # colocated: (unit, step) -> own push row
+        self._outbox = {i: torch.empty(self._slots, job.numel(i)) for i in self.layers}   # parameters being sent
+        self._arrived: dict[tuple[int, int, int], int] = {}   # (worker, layer, step) -> slices of its push in
+        self._done_workers: dict[tuple[int, int], int] = {}   # (layer, step) -> workers whose push is in
+        self._complete: set[tuple[int, int]] = set()          # (layer, step) whose pushes are all in
         self._next_step = {i: 0 for i in self.layers}
         self._update_start: dict[int, float] = {}
         channels = job.channels
@@ -114,7 +126,7 @@ class ServeShard(SyncStrategy):
     # ---------------------------------------------------- the exchange stage
     def set_step(self, step: int) -> None:
         for layer in self.layers:
-            self._next_step[layer], self._complete[layer] = step, step - 1
+            self._next_step[layer] = step
         self._ended = step - 1
         if self.local_worker_engine is not None:   # colocated, resuming: the worker goes on from there too
             self.local_worker_engine.set_step(step)
@@ -172,13 +184,15 @@ class ServeShard(SyncStrategy):
         name = self.job.layers[layer][0]
         if self.timeline is not None:
             self.timeline.span(f"update {name}", "update", "update", start, time.time(), step)
-        if self.rank in self.job.layer_workers[layer]:   # colocated: the update was in place
-            self.local_worker.pulled_locally(layer, step)
+        stale = self._slots > 1
         remote = [worker for worker in self.job.layer_workers[layer] if worker != self.rank]
+        flat = self._outbox[layer][(step + 1) % self._slots]   # the parameters of step + 1
+        if remote or stale:
+            torch.cat([p.detach().reshape(-1) for p in self.shard.params_of[layer]], out=flat)
+        if self.rank in self.job.layer_workers[layer]:   # colocated: in place, or (stale) a copy to stage
+            self.local_worker.pulled_locally(layer, step, flat if stale else None)
         if not remote:
             return
-        flat = self._outbox[layer]
-        torch.cat([p.detach().reshape(-1) for p in self.job.layers[layer][2]], out=flat)
         channels, pull = self.job.channels, self.job.pull
         transfers = [Transfer(worker, channels.group(self.rank, worker, pull.channel[piece.id]),
                               channels.id(self.rank, worker, pull.channel[piece.id]), piece.id, step,
@@ -190,25 +204,29 @@ class ServeShard(SyncStrategy):
     def deliver(self, layer: int, step: int, row: torch.Tensor) -> None:
         """Colocated: this rank's own push of ``layer`` at ``step``, handed over in memory (no copy)."""
         with self._waiter.cond:
-            self._local_rows[layer] = row
+            self._local_rows[(layer, step)] = row
             self._worker_done(layer, step)
 
-    def _row(self, worker: int, layer: int) -> torch.Tensor:
-        return self._local_rows.pop(layer) if worker == self.rank else self._inbox[(worker, layer)]
+    def _row(self, worker: int, layer: int, step: int) -> torch.Tensor:
+        if worker == self.rank:
+            return self._local_rows.pop((layer, step))
+        return self._inbox[(worker, layer)][step % self._slots]
 
     def _worker_done(self, layer: int, step: int) -> None:
-        """One more worker's push of ``layer`` is complete (the caller holds the condition)."""
-        self._done_workers[layer] += 1
-        if self._done_workers[layer] == len(self.job.layer_workers[layer]):
-            self._done_workers[layer] = 0
-            self._complete[layer] = step
+        """One more worker's push of ``layer`` at ``step`` is complete (the caller holds the condition)."""
+        key = (layer, step)
+        self._done_workers[key] = self._done_workers.get(key, 0) + 1
+        if self._done_workers[key] == len(self.job.layer_workers[layer]):
+            del self._done_workers[key]
+            self._complete.add(key)
             self._waiter.cond.notify_all()
 
     # ------------------------------------------------------- helper threads
     def _push_buffer(self, worker: int, slice_id: int, step: int) -> torch.Tensor:
         piece = self.job.push.slice(slice_id)
         width = self._width(piece.layer, step)
-        return self._inbox[(worker, piece.layer)].narrow(0, piece.offset, min(piece.numel, width - piece.offset))
+        row = self._inbox[(worker, piece.layer)][step % self._slots]
+        return row.narrow(0, piece.offset, min(piece.numel, width - piece.offset))
 
     def _width(self, layer: int, step: int) -> int:
         return self.job.codec.row(layer, self.job.numel(layer), self.job.shapes(layer), step)[0]
@@ -236,11 +254,11 @@ class ServeShard(SyncStrategy):
                                    time.time(), step, bytes=nbytes)
             expected = len(pieces_within(self.job.push.table[layer], width))
             with self._waiter.cond:
-                key = (worker, layer)
+                key = (worker, layer, step)
                 self._arrived[key] = self._arrived.get(key, 0) + 1
                 if self._arrived[key] < expected:
                     return
-                self._arrived[key] = 0
+                del self._arrived[key]
                 self._worker_done(layer, step)
         return on_slice
 

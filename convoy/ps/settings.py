@@ -59,6 +59,8 @@ class PSSettings:
         colocated = servers == COLOCATED
         servers = 1 if colocated else parse_servers(servers)
         check(servers, priority, channels, slice_kb, credit_kb, staleness)
+        if staleness and not colocated:
+            raise UsageError("--staleness needs --servers colocated")
         fifo = priority == "fifo"
         if channels is None:
             channels = 1 if fifo else DEFAULT_CHANNELS

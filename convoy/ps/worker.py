@@ -9,12 +9,23 @@ the channel the routing gives each slice. The exchange ends when the layer's
 updated parameters are back from its server (pulled slices land in a staging
 vector per layer); the engine copies them in, and the next forward's
 pre-hook on the layer waits only for that.
+
+Bounded staleness S (colocated servers): the exchange of step t ends with the
+parameters of step t + 1 - S (the server's update of step t - S) copied in, so
+the forward of step t + 1 runs on them: a fixed delay, the same on every run,
+and a worker runs at most S steps ahead of the slowest. Each unit stages S + 1
+versions (the update of step k in slot ``(k + 1) % (S + 1)``), its own units
+too (their server updates a copy, :class:`~convoy.ps.job.Shard`); a slot is
+posted for the update of step t at the push of step t, after the exchange of
+step t - 1 installed what it held. ``newest_parameters`` puts the servers'
+latest parameters in place for evaluation and saving.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,28 +45,27 @@ from convoy.sync.rows import pack_row
 
 
 class _Pull(PendingSync):
-    """A pushed layer whose units' parameters of ``step`` are on their way back."""
+    """A pushed layer of ``step``; the exchange ends with its units' update of ``step - staleness``
+    (before the first step: with nothing, the initial parameters stay)."""
 
     def __init__(self, owner: "PushPull", units: Sequence[int], step: int):
-        self.owner, self.units, self.step = owner, units, step
+        self.owner, self.units, self.update = owner, units, step - owner.staleness
 
     def is_done(self) -> bool:
-        return all(self.owner._pulled[unit] >= self.step for unit in self.units)
+        return all(self.owner._pulled[unit] >= self.update for unit in self.units)
 
     def wait(self) -> torch.Tensor | None:
         """The layer's parameters (one unit from a server), else None: the units are in place already
         (colocated: a rank's own units were updated in place, the others are copied in here)."""
         owner = self.owner
         owner._waiter.wait_for(self.is_done, owner._check_scheduler)
-        remote = [unit for unit in self.units if unit in owner._staging]
-        if len(self.units) == 1 and remote:
-            return owner._staging[remote[0]]
-        with torch.no_grad():
-            for unit in remote:
-                offset = 0
-                for p in owner.job.layers[unit][2]:
-                    p.copy_(owner._staging[unit][offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
+        if self.update < 0:
+            return None
+        staged = [unit for unit in self.units if unit in owner._staging]
+        if len(self.units) == 1 and staged:
+            return owner._version(staged[0], self.update + 1)
+        for unit in staged:
+            _copy_into(owner.job.layers[unit][2], owner._version(unit, self.update + 1))
         return None
 
 
@@ -96,9 +106,15 @@ class PushPull(AllReduce):
         self.local_server: Any = None          # colocated: this rank's ServeShard
         self.local_server_engine: Any = None   # and its engine, closed between this worker's two halves
         self._waiter = ps_waiter()
-        self._staging = {i: torch.empty(job.numel(i)) for i in mine if job.server_of(i) != rank}
-        self._arrived = {i: 0 for i in mine}              # slices of the pending pull that are in
-        self._pulled = {i: -1 for i in mine}              # last step whose parameters are in staging
+        self.staleness = job.settings.staleness
+        # Versions of the parameters per unit (S + 1 of them); a rank's own units only when stale,
+        # else its server updates them in place.
+        self._staging = {i: torch.empty(self.staleness + 1, job.numel(i)) for i in mine
+                         if job.server_of(i) != rank or self.staleness}
+        self._arrived: dict[tuple[int, int], int] = {}    # (unit, step) -> slices of its pull that are in
+        self._pulled = {i: -1 for i in mine}              # the steps up to this one are pulled, per unit
+        self._pulled_ahead: dict[int, set[int]] = {i: set() for i in mine}   # pulled before an earlier step
+        self._last_step = -1                              # the last step pushed
         self._current: tuple[int, int] = (-1, -1)         # (layer, step) being exchanged
         self._announced = -1
         self._announce_lock = threading.Lock()   # the main thread's forward and the engine's thread both announce
@@ -108,7 +124,7 @@ class PushPull(AllReduce):
         self.scheduler = SliceScheduler(job.settings.credit_bytes, fifo=job.settings.priority == "fifo",
                                         on_sent=self._sent, name=f"convoy-ps-push{rank}")
         self._recvs = PostedRecvs(lambda server, sid: channels.group(server, rank, job.pull.channel[sid]),
-                                  lambda server, sid, step: self._buffer_of(sid))
+                                  lambda server, sid, step: self._buffer_of(sid, step))
         self._receivers = [
             Receiver(server, channels.group(server, rank, c), self._recvs, self._pull_handler(server, c),
                      self._failure(f"parameter server rank {server} failed (channel {c})"),
@@ -124,16 +140,18 @@ class PushPull(AllReduce):
     # ---------------------------------------------------- the exchange stage
     def set_step(self, step: int) -> None:
         super().set_step(step)
-        self._announced = step - 1
+        self._announced = self._last_step = step - 1
         for layer in self._pulled:
             self._pulled[layer] = step - 1
+            self._pulled_ahead[layer].clear()
 
     def start(self, bucket: Any, grad: torch.Tensor) -> PendingSync:
         if len(bucket.layers) != 1:
             raise ValueError("a parameter-server worker exchanges one layer per bucket (bucket_bytes=0)")
         units = self.job.units_of[id(bucket.layers[0].module)]
         step = self._exchanges.get(units[0], self._first_step)
-        if self.local_server_engine is not None and step > self._first_step:
+        self._last_step = max(self._last_step, step)
+        if self.local_server_engine is not None and step > self._first_step and not self.staleness:
             # Colocated: this rank's checkpoint of step - 1 (its server's step end) reads this worker's
             # error-feedback state; the step's first compression must not change it before.
             self.local_server_engine.wait_for_step(step - 1)
@@ -183,11 +201,47 @@ class PushPull(AllReduce):
             self._waiter.fail("pushing to a parameter server failed", exc)
             self._waiter.raise_if_failed()
 
-    def pulled_locally(self, unit: int, step: int) -> None:
-        """Colocated: this rank's server updated ``unit`` of ``step`` in place."""
+    def pulled_locally(self, unit: int, step: int, params: torch.Tensor | None = None) -> None:
+        """Colocated: this rank's server updated ``unit`` of ``step`` in place, or (stale) in its own
+        storage, whose flat ``params`` are staged here."""
+        if params is not None:
+            self._version(unit, step + 1).copy_(params)
         with self._waiter.cond:
-            self._pulled[unit] = step
-            self._waiter.cond.notify_all()
+            self._pull_done(unit, step)
+
+    def _pull_done(self, unit: int, step: int) -> None:
+        """``unit``'s update of ``step`` is staged (the caller holds the condition). Under staleness an
+        update can complete before an earlier one whose last slices are still on the wire."""
+        ahead = self._pulled_ahead[unit]
+        ahead.add(step)
+        while self._pulled[unit] + 1 in ahead:
+            ahead.remove(self._pulled[unit] + 1)
+            self._pulled[unit] += 1
+        self._waiter.cond.notify_all()
+
+    def _version(self, unit: int, version: int) -> torch.Tensor:
+        """The staging slot of ``unit``'s parameters of step ``version`` (its server's update of ``version - 1``)."""
+        return self._staging[unit][version % (self.staleness + 1)]
+
+    @contextlib.contextmanager
+    def newest_parameters(self) -> Iterator[None]:
+        """Within the block, the model holds the parameters of the servers' last update (evaluation, saving);
+        afterwards again those the fixed delay gives the next step. Without staleness they are the same.
+        Call it after the engine's ``synchronize``."""
+        last = self._last_step
+        if not self.staleness or last < 0:
+            yield
+            return
+        self._waiter.wait_for(lambda: all(pulled >= last for pulled in self._pulled.values()), self._check_scheduler)
+        units = sorted(self._staging)
+        kept = {unit: torch.cat([p.detach().reshape(-1) for p in self.job.layers[unit][2]]) for unit in units}
+        for unit in units:
+            _copy_into(self.job.layers[unit][2], self._version(unit, last + 1))
+        try:
+            yield
+        finally:
+            for unit in units:
+                _copy_into(self.job.layers[unit][2], kept[unit])
 
     def _agree(self, tensor: torch.Tensor) -> torch.Tensor:
         return _no_agreement(tensor) if self.group is None else super()._agree(tensor)
@@ -279,9 +333,9 @@ class PushPull(AllReduce):
                                f"push ch{transfer.channel} -> s{transfer.peer}", issued, done, transfer.step,
                                bytes=transfer.nbytes, priority=list(transfer.priority))
 
-    def _buffer_of(self, slice_id: int) -> torch.Tensor:
+    def _buffer_of(self, slice_id: int, step: int) -> torch.Tensor:
         piece = self.job.pull.slice(slice_id)
-        return view(self._staging[piece.layer], piece)
+        return view(self._version(piece.layer, step + 1), piece)
 
     def _pull_handler(self, server: int, channel: int) -> Callable[[int, int, float], None]:
         track = f"pull ch{self.job.channels.id(server, self.rank, channel)} <- s{server}"
@@ -293,12 +347,12 @@ class PushPull(AllReduce):
             if self.timeline is not None:
                 self.timeline.span(f"pull {self.job.layers[piece.layer][0]}[{piece.part}]", "pull", track, started,
                                    time.time(), step + 1, bytes=nbytes)
+            key = (piece.layer, step)
             with self._waiter.cond:
-                self._arrived[piece.layer] += 1
-                if self._arrived[piece.layer] == len(self.job.pull.table[piece.layer]):
-                    self._arrived[piece.layer] = 0
-                    self._pulled[piece.layer] = step
-                    self._waiter.cond.notify_all()
+                self._arrived[key] = self._arrived.get(key, 0) + 1
+                if self._arrived[key] == len(self.job.pull.table[piece.layer]):
+                    del self._arrived[key]
+                    self._pull_done(piece.layer, step)
         return on_slice
 
     def _failure(self, message: str) -> Callable[[BaseException], None]:
@@ -323,6 +377,15 @@ class PushPull(AllReduce):
                                        time.time(), self._announced, layer=layer)
             handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
         return handles
+
+
+def _copy_into(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy ``flat`` (the parameters, concatenated) into ``params``."""
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
 
 
 def _rows_of(grad: torch.Tensor, layer_params: Sequence[torch.Tensor], unit_params: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -232,8 +232,9 @@ class SyncConfig:
                                      "the default with --parallel data), or S, the ranks 0..S-1 that serve the "
                                      "parameters while the other ranks train (the default with --parallel hybrid "
                                      "is 1)")
-    staleness: int = _opt(0, "ps: steps a worker may run ahead of the slowest; 0 is synchronous and exact",
-                          count=True)
+    staleness: int = _opt(0, "ps (colocated servers): S, steps a worker may run ahead of the slowest: the forward "
+                          "of step t runs on the parameters of step t - S (a fixed delay, reproducible); 0 is "
+                          "synchronous and exact", count=True)
     channels: int | None = _opt(None, "ps: connections (process groups) per server-worker pair (default 2; fifo: 1)",
                                 count=True)
     priority: str = _opt("graph", "ps: transfer order: graph (the next forward's order, traced), timed (also "
@@ -533,11 +534,19 @@ class TrainConfig:
             raise UsageError("--servers colocated needs --parallel data; a hybrid job takes --servers S "
                              "dedicated server ranks")
         if self.sync.staleness:
-            raise UsageError(f"--staleness {self.sync.staleness}: bounded staleness is not implemented yet; "
-                             "only --staleness 0 (synchronous) runs")
+            self._validate_stale()
         if self.optim.clip_grad_norm is not None or self.optim.amp == "fp16":
             raise UsageError("--clip-grad-norm and --amp fp16 are not supported with --servers colocated yet; "
                              "give --servers S (dedicated servers) or leave them out")
+
+    def _validate_stale(self) -> None:
+        staleness = f"--staleness {self.sync.staleness}"
+        if self.compress.name != "none":
+            raise UsageError(f"{staleness} with --compress {self.compress.name}: compressed pushes are not supported "
+                             "under bounded staleness yet; give --compress none or --staleness 0")
+        if self.checkpoint.dir is not None:
+            raise UsageError(f"{staleness} with --checkpoint-dir: checkpoints of a stale job are not supported yet "
+                             "(each rank's shard is up to S steps ahead of its worker); give --staleness 0")
 
     def _validate_ps(self, world: int) -> None:
         if self.sync.strategy != "ps":

@@ -18,10 +18,19 @@ from tests.helpers import convoy_in_process, one_line_error
     (["--servers", "1.5"], "unknown --servers '1.5'; choose colocated"),
     (["--servers", "0"], "--servers must be >= 1, got 0"),
     (["--servers", "2", "--staleness", "1"], "--staleness needs --servers colocated"),
+    (["--staleness", "1", "--nproc", "1"], "--servers colocated needs at least 2 processes, got 1"),
+    (["--staleness", "2", "--compress", "blocktopk"], "--staleness 2 with --compress blocktopk: compressed pushes"),
     (["--clip-grad-norm", "1"], "not supported with --servers colocated yet"),
 ])
 def test_bad_ps_values_are_one_line_exit_2(args, expected):
     assert expected in one_line_error(convoy_in_process("train", "--sync", "ps", *args))
+
+
+def test_checkpoints_under_staleness_are_refused_and_leave_no_directory(tmp_path):
+    line = one_line_error(convoy_in_process("train", "--sync", "ps", "--staleness", "1", "--checkpoint-dir",
+                                            str(tmp_path / "ckpt")))
+    assert "--staleness 1 with --checkpoint-dir: checkpoints of a stale job are not supported yet" in line
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_staleness_needs_sync_ps():
