@@ -133,6 +133,8 @@ class PushPull(AllReduce):
             raise ValueError("a parameter-server worker exchanges one layer per bucket (bucket_bytes=0)")
         units = self.job.units_of[id(bucket.layers[0].module)]
         step = self._exchanges.get(units[0], self._first_step)
+        if self.timeline is not None:
+            self.timeline.instant(f"grad {self.job.layers[units[0]][0]}", "grad", "backward", time.time(), step)
         if self.local_server_engine is not None and step > self._first_step:
             # Colocated: this rank's checkpoint of step - 1 (its server's step end) reads this worker's
             # error-feedback state; the step's first compression must not change it before.
@@ -306,7 +308,12 @@ class PushPull(AllReduce):
 
 
     def _compute_hooks(self, model: nn.Module) -> list[Any]:
-        """Forward spans of every layer, for the Chrome trace."""
+        """Forward spans of every layer and the forward's waits for its parameters, for the Chrome trace.
+
+        The pre-hook waits for the layer's pull itself (the engine's own wait,
+        which follows, then finds it done), so the trace shows how long the next
+        forward waited for the network, apart from the layer's compute.
+        """
         started: dict[int, float] = {}
         handles = []
         for module in model.modules():
@@ -315,6 +322,8 @@ class PushPull(AllReduce):
                 continue
 
             def before(m: nn.Module, args: Any, layer: int = layer) -> None:
+                if m.training:
+                    self._trace_wait(layer)
                 started[layer] = time.time()
 
             def after(m: nn.Module, args: Any, output: Any, layer: int = layer) -> None:
@@ -323,6 +332,16 @@ class PushPull(AllReduce):
                                        time.time(), self._announced, layer=layer)
             handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
         return handles
+
+    def _trace_wait(self, layer: int) -> None:
+        """Wait for the parameters the forward of ``layer`` needs (the previous step's pull), as a span."""
+        step = self._exchanges.get(layer, self._first_step)
+        units = self.job.units_of[id(self.job.layers[layer][1])]
+        start = time.time()
+        self._waiter.wait_for(lambda: all(self._pulled.get(u, step) >= step - 1 for u in units), self._check_scheduler)
+        end = time.time()
+        if end - start > 1e-4:
+            self.timeline.span(f"wait {self.job.layers[layer][0]}", "wait", "forward", start, end, step, layer=layer)
 
 
 def _rows_of(grad: torch.Tensor, layer_params: Sequence[torch.Tensor], unit_params: Sequence[torch.Tensor]) -> torch.Tensor:
