@@ -47,6 +47,11 @@ class PSSettings:
     colocated: bool = False
     staleness: int = 0
 
+    @property
+    def acked(self) -> bool:
+        """Receivers acknowledge every slice: a credit window counts bytes until they are delivered."""
+        return self.credit_bytes is not None
+
     @classmethod
     def resolve(cls, servers: int | str = 1, priority: str = "graph", channels: int | None = None,
                 slice_kb: float | None = None, credit_kb: float | None = None,

@@ -10,6 +10,10 @@ link's rate. Hence:
   earlier); a server posts a worker's pushes of step t when the worker
   announces step t (at its first training forward of the step).
 - Each slice's payload travels on its own tag, straight into its buffer.
+- With acknowledgements (a sender whose credit counts bytes until they are
+  delivered, :class:`~convoy.ps.scheduler.SliceScheduler` with ``acked``),
+  the receiver answers every payload with a small message on ``ACK_TAG``,
+  whose receive the sender posted when it issued the slice.
 - Headers (slice id, step) say in which order the sender issued the slices;
   the receiver keeps ``RING`` header receives posted at all times, so headers
   never wait either. A stream ends with ``RING`` stop headers, which consume
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Any, Callable
 
 import torch
@@ -27,6 +32,7 @@ import torch.distributed as dist
 HEADER_TAG = 0
 REPORT_TAG = 1      # worker -> server 0: (loss, correct, samples) of a step
 STEP_TAG = 2        # worker -> server: "step t starts" (or -1: no more steps)
+ACK_TAG = 3         # receiver -> sender: "a payload of yours is in" (the sender's credit comes back)
 _PAYLOAD_TAG0 = 16
 RING = 16           # header receives kept posted per channel
 STOP = -1
@@ -37,6 +43,7 @@ def header(slice_id: int, step: int) -> torch.Tensor:
 
 
 HEADER_BYTES = 16
+_ACK = torch.zeros(1, dtype=torch.int64)   # an acknowledgement's content is never read
 
 
 def payload_tag(slice_id: int) -> int:
@@ -94,14 +101,16 @@ class Receiver(threading.Thread):
         recvs: where the payload receives are posted.
         on_slice: called with (slice id, step, time the header arrived) once a payload is in.
         on_error: called with the exception if the stream breaks (a dead peer).
+        ack: acknowledge every payload to the sender (its credit counts bytes until delivered).
     """
 
     def __init__(self, peer: int, group: dist.ProcessGroup, recvs: PostedRecvs,
                  on_slice: Callable[[int, int, float], None], on_error: Callable[[BaseException], None],
-                 name: str):
+                 name: str, ack: bool = False):
         super().__init__(name=name, daemon=True)
         self.peer, self.group, self._recvs = peer, group, recvs
         self._on_slice, self._on_error = on_slice, on_error
+        self._acks: deque | None = deque() if ack else None
 
     def run(self) -> None:
         try:
@@ -119,10 +128,24 @@ class Receiver(threading.Thread):
                     pending += 1
                     arrived = time.time()
                     self._recvs.take(self.peer, slice_id, step).wait()
+                    self._acknowledge()
                     self._on_slice(slice_id, step, arrived)
                 i = (i + 1) % RING
+            self._settle_acks(0)
         except BaseException as exc:  # the owner re-raises it on its main thread
             self._on_error(exc)
+
+    def _acknowledge(self) -> None:
+        """Tell the sender a payload is in (the sender posted this receive when it issued the slice)."""
+        if self._acks is None:
+            return
+        self._acks.append(dist.isend(_ACK, self.peer, group=self.group, tag=ACK_TAG))
+        self._settle_acks(RING)
+
+    def _settle_acks(self, keep: int) -> None:
+        """Wait for the oldest acknowledgements until at most ``keep`` are outstanding."""
+        while self._acks and len(self._acks) > keep:
+            self._acks.popleft().wait()
 
     def _post(self, head: torch.Tensor) -> Any:
         return dist.irecv(head, self.peer, group=self.group, tag=HEADER_TAG)

@@ -73,6 +73,9 @@ class PushPull(AllReduce):
             them, nothing else), for compressors that agree before they push:
             PowerSGD's P round and warm start are summed over it. ``None``: a
             compressor that needs agreement is refused.
+        scheduler: the sender of its pushes; colocated, the one its rank's server
+            replies through, so the rank's link has one priority queue and one
+            credit window (default: its own, which this worker closes).
 
     Example::
 
@@ -86,7 +89,7 @@ class PushPull(AllReduce):
 
     def __init__(self, job: PSJob, rank: int, model: nn.Module, compressor: Compressor | None = None,
                  memory: Memory | None = None, warmup_steps: int = 0, timeline: Timeline | None = None,
-                 agreement_group: dist.ProcessGroup | None = None):
+                 agreement_group: dist.ProcessGroup | None = None, scheduler: SliceScheduler | None = None):
         super().__init__(agreement_group, compressor, memory, warmup_steps)
         self.job, self.rank, self.timeline = job, rank, timeline
         mine = [i for i, workers in enumerate(job.layer_workers) if rank in workers]
@@ -105,14 +108,14 @@ class PushPull(AllReduce):
         self._announcements: list[Any] = []
         self._reports: list[Any] = []
         channels = job.channels
-        self.scheduler = SliceScheduler(job.settings.credit_bytes, fifo=job.settings.priority == "fifo",
-                                        on_sent=self._sent, name=f"convoy-ps-push{rank}")
+        self._owns_scheduler = scheduler is None
+        self.scheduler = scheduler or SliceScheduler.for_settings(job.settings, f"convoy-ps-push{rank}")
         self._recvs = PostedRecvs(lambda server, sid: channels.group(server, rank, job.pull.channel[sid]),
                                   lambda server, sid, step: self._buffer_of(sid))
         self._receivers = [
             Receiver(server, channels.group(server, rank, c), self._recvs, self._pull_handler(server, c),
                      self._failure(f"parameter server rank {server} failed (channel {c})"),
-                     name=f"convoy-ps-pull{rank}-s{server}c{c}")
+                     name=f"convoy-ps-pull{rank}-s{server}c{c}", ack=job.settings.acked)
             for server in self._servers for c in range(channels.count)]
         for receiver in self._receivers:
             receiver.start()
@@ -176,7 +179,7 @@ class PushPull(AllReduce):
         channels, pieces = self.job.channels, self.job.push.table[layer]
         transfers = [Transfer(server, channels.group(server, self.rank, self.job.push.channel[piece.id]),
                               channels.id(server, self.rank, self.job.push.channel[piece.id]), piece.id, step,
-                              row.narrow(0, piece.offset, size), self.job.push.priority[piece.id])
+                              row.narrow(0, piece.offset, size), self.job.push.priority[piece.id], self._sent)
                      for piece, size in pieces_within(pieces, width)]
         self._count(sum(t.nbytes for t in transfers), 0)
         try:
@@ -220,7 +223,8 @@ class PushPull(AllReduce):
         with self._announce_lock:
             self._send_step(-1)
         try:
-            self.scheduler.close()
+            # A shared scheduler also carries this rank's server's replies: its server closes it.
+            self.scheduler.close() if self._owns_scheduler else self.scheduler.drain()
         except TransferError as exc:
             self._waiter.fail("pushing to a parameter server failed", exc)
         self._settle(self._reports + self._announcements)
