@@ -184,7 +184,7 @@ class ServeShard(SyncStrategy):
         channels, pull = self.job.channels, self.job.pull
         transfers = [Transfer(worker, channels.group(self.rank, worker, pull.channel[piece.id]),
                               channels.id(self.rank, worker, pull.channel[piece.id]), piece.id, step,
-                              view(flat, piece), pull.priority[piece.id], self._sent)
+                              view(flat, piece), self.job.order(pull, piece, self.rank, worker), self._sent)
                      for worker in remote for piece in pull.table[layer]]
         self._count(sum(t.nbytes for t in transfers), 0)
         self.scheduler.submit(transfers)

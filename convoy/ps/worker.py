@@ -179,7 +179,8 @@ class PushPull(AllReduce):
         channels, pieces = self.job.channels, self.job.push.table[layer]
         transfers = [Transfer(server, channels.group(server, self.rank, self.job.push.channel[piece.id]),
                               channels.id(server, self.rank, self.job.push.channel[piece.id]), piece.id, step,
-                              row.narrow(0, piece.offset, size), self.job.push.priority[piece.id], self._sent)
+                              row.narrow(0, piece.offset, size), self.job.order(self.job.push, piece, self.rank, server),
+                              self._sent)
                      for piece, size in pieces_within(pieces, width)]
         self._count(sum(t.nbytes for t in transfers), 0)
         try:
