@@ -105,7 +105,7 @@ def build_job(model: nn.Module, roles: PSRoles, rank: int, settings: PSSettings,
             (default: every worker trains every layer).
         first_step: the step training starts at (the push capacity is the densest row from there on).
     """
-    channels = Channels(roles, settings.channels, rank)
+    channels = Channels(roles, settings.channels, rank, acks=settings.acked)
     plan = agree_on_plan(model, roles, rank, settings.priority, example)
     whole = model_layers(model)
     if roles.colocated:

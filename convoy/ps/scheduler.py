@@ -14,7 +14,8 @@ once the peer has them. Credit returned at completion therefore bounds
 nothing on a slow link: the kernel's queues fill with bulk slices and an
 urgent slice issued later waits behind them. With ``acked`` the credit comes
 back only when the receiver acknowledges the slice
-(:class:`~convoy.ps.wire.Receiver` with ``ack=True``), so the bytes between
+(:class:`~convoy.ps.wire.Receiver` with an ``ack`` group; the transfer's
+``ack_group``, a connection that carries nothing else), so the bytes between
 the two processes, kernel queues included, stay within the window.
 """
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Transfer:
     payload: torch.Tensor | None
     priority: tuple = ()
     on_sent: Callable[["Transfer", float, float], None] | None = None
+    ack_group: dist.ProcessGroup | None = None   # where the receiver acknowledges it (an acked scheduler)
 
     @property
     def nbytes(self) -> int:
@@ -88,7 +90,7 @@ class SliceScheduler:
             ``None``: no limit. One transfer per peer is always allowed, however large.
         fifo: order by submission alone, ignoring priorities.
         acked: a transfer's credit comes back when its receiver acknowledges it
-            (its receiver must run with ``ack=True``), not when the send completes.
+            on the transfer's ``ack_group``, not when the send completes.
         record: keep ``issued``, the transfers in the order they were issued (tests).
 
     Example::
@@ -222,7 +224,7 @@ class SliceScheduler:
         works = []
         if self.acked and transfer.payload is not None:
             # Posted before the payload goes, so the receiver's acknowledgement never waits for it.
-            works.append(dist.irecv(torch.empty(1, dtype=torch.int64), transfer.peer, group=transfer.group,
+            works.append(dist.irecv(torch.empty(1, dtype=torch.int64), transfer.peer, group=transfer.ack_group,
                                     tag=ACK_TAG))
         # The payload first: its receive is posted already, so its bytes
         # flow at once; the header tells the receiver it is coming.

@@ -104,7 +104,7 @@ class ServeShard(SyncStrategy):
         self._receivers: list[Any] = [
             Receiver(worker, channels.group(rank, worker, c), self._recvs, self._push_handler(worker, c),
                      self._failure(f"worker rank {worker} failed (channel {c})"),
-                     name=f"convoy-ps-push{rank}-w{worker}c{c}", ack=job.settings.acked)
+                     name=f"convoy-ps-push{rank}-w{worker}c{c}", ack=channels.ack_group(rank, worker))
             for worker in workers for c in range(channels.count)]
         self._receivers += [
             StepListener(worker, channels.group(rank, worker, 0), self._post_pushes(worker),
@@ -184,7 +184,8 @@ class ServeShard(SyncStrategy):
         channels, pull = self.job.channels, self.job.pull
         transfers = [Transfer(worker, channels.group(self.rank, worker, pull.channel[piece.id]),
                               channels.id(self.rank, worker, pull.channel[piece.id]), piece.id, step,
-                              view(flat, piece), self.job.order(pull, piece, self.rank, worker), self._sent)
+                              view(flat, piece), self.job.order(pull, piece, self.rank, worker), self._sent,
+                              channels.ack_group(self.rank, worker))
                      for worker in remote for piece in pull.table[layer]]
         self._count(sum(t.nbytes for t in transfers), 0)
         self.scheduler.submit(transfers)

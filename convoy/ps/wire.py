@@ -12,7 +12,8 @@ link's rate. Hence:
 - Each slice's payload travels on its own tag, straight into its buffer.
 - With acknowledgements (a sender whose credit counts bytes until they are
   delivered, :class:`~convoy.ps.scheduler.SliceScheduler` with ``acked``),
-  the receiver answers every payload with a small message on ``ACK_TAG``,
+  the receiver answers every payload with a small message on ``ACK_TAG``, on
+  the pair's acknowledgement connection (:meth:`~convoy.ps.channels.Channels.ack_group`),
   whose receive the sender posted when it issued the slice.
 - Headers (slice id, step) say in which order the sender issued the slices;
   the receiver keeps ``RING`` header receives posted at all times, so headers
@@ -101,16 +102,18 @@ class Receiver(threading.Thread):
         recvs: where the payload receives are posted.
         on_slice: called with (slice id, step, time the header arrived) once a payload is in.
         on_error: called with the exception if the stream breaks (a dead peer).
-        ack: acknowledge every payload to the sender (its credit counts bytes until delivered).
+        ack: acknowledge every payload to the sender on this group (its credit counts bytes until
+            delivered); ``None``: no acknowledgements.
     """
 
     def __init__(self, peer: int, group: dist.ProcessGroup, recvs: PostedRecvs,
                  on_slice: Callable[[int, int, float], None], on_error: Callable[[BaseException], None],
-                 name: str, ack: bool = False):
+                 name: str, ack: dist.ProcessGroup | None = None):
         super().__init__(name=name, daemon=True)
         self.peer, self.group, self._recvs = peer, group, recvs
         self._on_slice, self._on_error = on_slice, on_error
-        self._acks: deque | None = deque() if ack else None
+        self._ack_group = ack
+        self._acks: deque = deque()
 
     def run(self) -> None:
         try:
@@ -137,9 +140,9 @@ class Receiver(threading.Thread):
 
     def _acknowledge(self) -> None:
         """Tell the sender a payload is in (the sender posted this receive when it issued the slice)."""
-        if self._acks is None:
+        if self._ack_group is None:
             return
-        self._acks.append(dist.isend(_ACK, self.peer, group=self.group, tag=ACK_TAG))
+        self._acks.append(dist.isend(_ACK, self.peer, group=self._ack_group, tag=ACK_TAG))
         self._settle_acks(RING)
 
     def _settle_acks(self, keep: int) -> None:

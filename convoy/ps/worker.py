@@ -115,7 +115,7 @@ class PushPull(AllReduce):
         self._receivers = [
             Receiver(server, channels.group(server, rank, c), self._recvs, self._pull_handler(server, c),
                      self._failure(f"parameter server rank {server} failed (channel {c})"),
-                     name=f"convoy-ps-pull{rank}-s{server}c{c}", ack=job.settings.acked)
+                     name=f"convoy-ps-pull{rank}-s{server}c{c}", ack=channels.ack_group(server, rank))
             for server in self._servers for c in range(channels.count)]
         for receiver in self._receivers:
             receiver.start()
@@ -180,7 +180,7 @@ class PushPull(AllReduce):
         transfers = [Transfer(server, channels.group(server, self.rank, self.job.push.channel[piece.id]),
                               channels.id(server, self.rank, self.job.push.channel[piece.id]), piece.id, step,
                               row.narrow(0, piece.offset, size), self.job.order(self.job.push, piece, self.rank, server),
-                              self._sent)
+                              self._sent, channels.ack_group(server, self.rank))
                      for piece, size in pieces_within(pieces, width)]
         self._count(sum(t.nbytes for t in transfers), 0)
         try:

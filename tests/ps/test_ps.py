@@ -192,7 +192,7 @@ def test_settings_resolve_per_mode_and_reject_bad_values():
     fifo = PSSettings.resolve(servers=1, priority="fifo")
     assert (fifo.channels, fifo.slice_bytes, fifo.credit_bytes) == (1, None, None)
     graph = PSSettings.resolve(servers=2, priority="graph", slice_kb=1.5)
-    assert graph.slice_bytes == 1536 and graph.credit_bytes == 1024 * 1024
+    assert graph.slice_bytes == 1536 and graph.credit_bytes == 512 * 1024
     for kwargs, message in [({"channels": 0}, "--channels must be >= 1"), ({"slice_kb": 0}, "--slice-kb must be > 0"),
                             ({"credit_kb": -1}, "--credit-kb must be > 0"), ({"priority": "lifo"}, "choose one of")]:
         with pytest.raises(UsageError, match=message):

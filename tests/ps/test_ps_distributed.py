@@ -121,7 +121,8 @@ def _acked_credit(rank: int, group) -> tuple[list[int], list[int]] | None:
     its acknowledgement back. Rank 0's slices issued meanwhile, and in the end."""
     if rank == 0:
         scheduler = SliceScheduler(credit_bytes=SLICE, acked=True, record=True)
-        scheduler.submit(Transfer(1, group, 0, i, 0, torch.full((SLICE // 4,), float(i)), (0, i)) for i in range(2))
+        scheduler.submit(Transfer(1, group, 0, i, 0, torch.full((SLICE // 4,), float(i)), (0, i), ack_group=group)
+                         for i in range(2))
         dist.recv(torch.zeros(1), 1, group=group, tag=9)   # the first slice is in, not acknowledged
         time.sleep(0.3)   # time enough to issue the second, were its credit back
         meanwhile = [t.slice_id for t in scheduler.issued]
