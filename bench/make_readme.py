@@ -284,7 +284,7 @@ def _ps_colocated() -> str:
                           times(step / steps["ps-colocated"]) if step and steps.get("ps-colocated") else "-",
                           number(r.get("MB_sent/step"))])
     return table(["model", "strategy", "step", "step / all-reduce step", "step / graph step",
-                  "MB / step / rank"], cells)
+                  "MB sent / step / rank (ps: its pushes only)"], cells)
 
 
 def _ps_time_to_accuracy() -> str:
