@@ -290,6 +290,27 @@ def _ps(name: str) -> Callable[[], str]:
     return render
 
 
+PS_COLOCATED = ("time_to_accuracy_vgg_fc_100mbit_ps", "time_to_accuracy_resnet18_100mbit_ps")
+
+
+def _ps_colocated() -> str:
+    """Step time of colocated servers against convoy's ring all-reduce and against their own FIFO order."""
+    cells = []
+    for name in PS_COLOCATED:
+        data = load(name)
+        if not data:
+            continue
+        steps = {r["strategy"]: r.get("step_s") for r in data["rows"]}
+        for r in data["rows"]:
+            step = r.get("step_s")
+            cells.append([data["settings"]["model"], r["strategy"], seconds(step),
+                          times(step / steps["dense"]) if step and steps.get("dense") else "-",
+                          times(step / steps["ps-colocated"]) if step and steps.get("ps-colocated") else "-",
+                          number(r.get("MB_sent/step"))])
+    return table(["model", "strategy", "step", "step / all-reduce step", "step / graph step",
+                  "MB sent / step / rank (ps: its pushes only)"], cells)
+
+
 def _ps_time_to_accuracy() -> str:
     rows = rows_of("ps_time_to_accuracy")
     return table(["config", "time to 97%", "steps", "final accuracy"],
@@ -559,6 +580,12 @@ BLOCKS: tuple[Block, ...] = (
           _ps("ps"), emulated=True),
     Block("ps_full", "Parameter server: every configuration", ("ps_full",),
           "python bench/ps.py --full", "FIFO and ring all-reduce", _ps("ps_full"), emulated=True),
+    Block("ps_colocated", "Colocated parameter servers: step time, 4 hosts at 100 Mbit", PS_COLOCATED,
+          "python bench/time_to_accuracy.py --hosts 4 --rate 100mbit --model vgg_fc --steps 60 --eval-every 30 "
+          "--target 0.999 --strategies dense ps-colocated ps-colocated-fifo --tag ps; the same with --model "
+          "resnet18 --steps 20 --eval-every 20 --strategies ps-colocated ps-colocated-fifo",
+          "convoy's ring all-reduce (dense) and the same servers in arrival order (ps-colocated-fifo)",
+          _ps_colocated, emulated=True),
     Block("ps_time_to_accuracy", "Parameter server: time to 97%, vgg_fc, 1 Gbit", ("ps_time_to_accuracy",),
           "python bench/ps.py --tta", "ring all-reduce with about the same global batch",
           _ps_time_to_accuracy, emulated=True),

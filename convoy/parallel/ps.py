@@ -27,6 +27,7 @@ from convoy.parallel.precision import Precision
 from convoy.ps.job import PSJob, Shard, build_job, worker_group
 from convoy.ps.push import RowCodec
 from convoy.ps.roles import PSRoles
+from convoy.ps.scheduler import SliceScheduler
 from convoy.ps.server import ServeShard
 from convoy.ps.settings import PSSettings
 from convoy.ps.timeline import Timeline
@@ -39,16 +40,18 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def server_engine(job: PSJob, rank: int, optimizer_class: type[torch.optim.Optimizer], hyper: dict[str, Any],
                   lr_lambda: Callable[[int], float] | None, timeline: Timeline | None,
-                  gate: GradientGate | None = None, buffers_of: nn.Module | None = None) -> Engine:
+                  gate: GradientGate | None = None, buffers_of: nn.Module | None = None,
+                  scheduler: SliceScheduler | None = None) -> Engine:
     """The engine of server ``rank``: its shard, updated as the workers' pushes arrive (``gate``: clipping
     and fp16 unscaling of the averaged gradient, its group the job's ranks, so the norm spans every shard;
-    ``buffers_of``: the model whose buffers the shard mirrors, so that its checkpoint holds them)."""
+    ``buffers_of``: the model whose buffers the shard mirrors, so that its checkpoint holds them;
+    ``scheduler``: the sender it replies through, default its own)."""
     if not job.layers_of(rank):
         raise UsageError(f"--servers {job.roles.servers}: server rank {rank} would hold no layer (the model has "
                          f"{len(job.layers)}); use fewer servers")
     # Under staleness a colocated rank's worker computes on older parameters than its server updates.
     shard = Shard(job, job.layers_of(rank), buffers_of=buffers_of, own_storage=job.settings.staleness > 0)
-    sync = ServeShard(job, rank, shard, timeline)
+    sync = ServeShard(job, rank, shard, timeline, scheduler)
     return Engine(shard, optimizer_class, sync, listeners=sync.listeners(), lr_lambda=lr_lambda, bucket_bytes=0,
                   gate=gate, **hyper)
 
@@ -56,11 +59,13 @@ def server_engine(job: PSJob, rank: int, optimizer_class: type[torch.optim.Optim
 def worker_engine(job: PSJob, rank: int, part: nn.Module, optimizer_class: type[torch.optim.Optimizer],
                   hyper: dict[str, Any], lr_lambda: Callable[[int], float] | None, compressor: Compressor | None,
                   memory: Memory | None, warmup_steps: int, timeline: Timeline | None,
-                  agreement_group: dist.ProcessGroup | None = None, gate: GradientGate | None = None) -> Engine:
+                  agreement_group: dist.ProcessGroup | None = None, gate: GradientGate | None = None,
+                  scheduler: SliceScheduler | None = None) -> Engine:
     """The engine of worker ``rank`` training ``part``: pushes and pulls, the update on the servers
     (``agreement_group``: every worker of ``part``'s layers, for compressors that agree, e.g. PowerSGD;
-    ``gate``: the servers' clipping and loss scaling, which this worker follows to keep its loss scale)."""
-    sync = PushPull(job, rank, part, compressor, memory, warmup_steps, timeline, agreement_group)
+    ``gate``: the servers' clipping and loss scaling, which this worker follows to keep its loss scale;
+    ``scheduler``: the sender it pushes through, default its own)."""
+    sync = PushPull(job, rank, part, compressor, memory, warmup_steps, timeline, agreement_group, scheduler)
     return Engine(part, optimizer_class, sync, listeners=sync.listeners(), lr_lambda=lr_lambda, bucket_bytes=0,
                   gate=gate, **hyper)
 
@@ -119,10 +124,13 @@ class ParameterServerLayout(ParallelLayout):
         self.data_world_size = self.roles.num_workers
         if settings.colocated:
             self.data_rank = rank
+            # One sender for the rank's pushes and its server's replies: they leave by the same link, so
+            # they share one priority queue and one credit window (an urgent push goes ahead of bulk replies).
+            sender = SliceScheduler.for_settings(settings, f"convoy-ps-send{rank}")
             self.server_engine = server_engine(self.job, rank, optimizer_class, hyper, lr_lambda, self.timeline, gate,
-                                               buffers_of=model)
+                                               buffers_of=model, scheduler=sender)
             self.engine = worker_engine(self.job, rank, model, optimizer_class, hyper, lr_lambda, compressor,
-                                        memory, warmup_steps, self.timeline, self.worker_group, gate)
+                                        memory, warmup_steps, self.timeline, self.worker_group, gate, sender)
             _join(self.engine, self.server_engine)
         elif self.is_server:
             self.data_rank = 0   # servers read batches only to keep the loop's pace

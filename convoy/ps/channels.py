@@ -4,6 +4,12 @@ Each channel has a unique id; the channel -> priority map gives channel 0 the
 most urgent slices, channel C-1 the least, each carrying about 1/C of the
 bytes, so an urgent slice never queues in a socket behind bytes of a later
 layer already handed to the kernel.
+
+With acknowledgements (a credit window), every pair of ranks also has one
+connection that carries nothing else: an acknowledgement sent on a data
+channel would wait in that socket behind the receiver's own outgoing slices,
+and a window whose acknowledgements wait behind as many bytes as it holds
+keeps a link at most half busy when both directions are loaded.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ class Channels:
         roles: who serves and who trains.
         count: C, channels per server-worker pair.
         rank: this process's global rank.
+        acks: also one acknowledgement connection per pair of ranks.
 
     Example::
 
@@ -32,11 +39,12 @@ class Channels:
         3
     """
 
-    def __init__(self, roles: PSRoles, count: int, rank: int):
+    def __init__(self, roles: PSRoles, count: int, rank: int, acks: bool = False):
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         self.roles, self.count, self.rank = roles, count, rank
         self._groups: dict[tuple[int, int, int], dist.ProcessGroup] = {}
+        self._ack_groups: dict[tuple[int, int], dist.ProcessGroup] = {}
         for server in roles.server_ranks:
             for worker in roles.workers:
                 if server == worker:   # a colocated rank's own shard: pushed and pulled in memory
@@ -45,6 +53,19 @@ class Channels:
                     group = dist.new_group([server, worker])
                     if rank in (server, worker):
                         self._groups[(server, worker, channel)] = group
+        if acks:
+            self._make_ack_groups(rank)
+
+    def _make_ack_groups(self, rank: int) -> None:
+        pairs = {tuple(sorted((s, w))) for s in self.roles.server_ranks for w in self.roles.workers if s != w}
+        for pair in sorted(pairs):
+            group = dist.new_group(list(pair))
+            if rank in pair:
+                self._ack_groups[pair] = group
+
+    def ack_group(self, a: int, b: int) -> dist.ProcessGroup | None:
+        """The acknowledgement connection of ranks ``a`` and ``b`` (None: the job has no acknowledgements)."""
+        return self._ack_groups.get((min(a, b), max(a, b)))
 
     def group(self, server: int, worker: int, channel: int) -> dist.ProcessGroup:
         return self._groups[(server, worker, channel)]

@@ -31,8 +31,9 @@ from convoy.ps.priority import PriorityPlan
 from convoy.ps.push import RowCodec
 from convoy.ps.roles import PSRoles
 from convoy.ps.routing import Routing, build_routing
+from convoy.ps.slicing import Slice
 from convoy.ps.settings import PSSettings
-from convoy.ps.sharding import shard_layers, split_layers
+from convoy.ps.sharding import place_units, shard_layers, split_layers
 from convoy.ps.trace_graph import model_layers
 
 
@@ -49,6 +50,7 @@ class PSJob:
         push: slices of each layer's gradient row (bytes), same servers and priorities.
         layer_workers: per layer, the worker ranks that push it and pull it.
         codec: row widths and decoding contexts per layer and step.
+        layer_rank: per unit, the priority rank of its layer (of the layer's first unit).
     """
 
     roles: PSRoles
@@ -62,6 +64,22 @@ class PSJob:
     layer_workers: list[list[int]]
     codec: RowCodec
     units_of: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    layer_rank: list[int] = dataclasses.field(default_factory=list)
+
+    def order(self, routing: Routing, piece: Slice, sender: int, receiver: int) -> tuple:
+        """The queue key of ``piece`` (a slice of ``routing``) from rank ``sender`` to rank ``receiver``.
+
+        Layers go by priority. Colocated, the units of a cut layer then go in
+        turns by peer: at turn k every rank sends to the rank k places after it
+        (pushes to that server, replies to that worker), so each link carries
+        one stream at a time. In priority order alone every worker would push
+        the same unit to the same server at once: that server's link full, the
+        others idle. The next forward needs every unit of a layer before it
+        can run it, so the order within a layer costs the forward nothing.
+        """
+        unit_rank, part = routing.priority[piece.id]
+        turn = (receiver - sender) % self.roles.world_size if self.roles.colocated else 0
+        return (self.layer_rank[piece.layer] if self.layer_rank else unit_rank, turn, unit_rank, part)
 
     def server_of(self, layer: int) -> int:
         """The global rank of the server that owns ``layer``."""
@@ -87,7 +105,7 @@ def build_job(model: nn.Module, roles: PSRoles, rank: int, settings: PSSettings,
             (default: every worker trains every layer).
         first_step: the step training starts at (the push capacity is the densest row from there on).
     """
-    channels = Channels(roles, settings.channels, rank)
+    channels = Channels(roles, settings.channels, rank, acks=settings.acked)
     plan = agree_on_plan(model, roles, rank, settings.priority, example)
     whole = model_layers(model)
     if roles.colocated:
@@ -98,7 +116,8 @@ def build_job(model: nn.Module, roles: PSRoles, rank: int, settings: PSSettings,
     layers = [_unit(whole[i], start, end, alias=roles.colocated) for i, start, end in units]
     numels = [sum(p.numel() for p in params) for _, _, params in layers]
     unit_plan = _plan_of_units(plan, [i for i, _, _ in units])
-    owner = shard_layers([4 * n for n in numels], roles.servers)
+    owner = (place_units(units, [4 * n for n in numels], roles.servers) if roles.colocated
+             else shard_layers([4 * n for n in numels], roles.servers))
     pull = build_routing(numels, unit_plan, settings, owner=owner)
     capacities = [codec.capacity(i, n, tuple(p.shape for p in layers[i][2]), first_step)
                   for i, n in enumerate(numels)]
@@ -107,8 +126,10 @@ def build_job(model: nn.Module, roles: PSRoles, rank: int, settings: PSSettings,
     units_of: dict[int, list[int]] = {}
     for u, (i, _, _) in enumerate(units):
         units_of.setdefault(id(whole[i][1]), []).append(u)
+    rank = unit_plan.rank
+    layer_rank = [min(rank[v] for v in units_of[id(whole[i][1])]) for i, _, _ in units]
     return PSJob(roles, settings, channels, unit_plan, layers, {key: us[0] for key, us in units_of.items()},
-                 pull, push, [per_layer[i] for i, _, _ in units], codec, units_of)
+                 pull, push, [per_layer[i] for i, _, _ in units], codec, units_of, layer_rank)
 
 
 def _common_rows(params: Sequence[nn.Parameter]) -> int | None:

@@ -37,7 +37,7 @@ from convoy.ps.push import pieces_within
 from convoy.ps.scheduler import SliceScheduler, Transfer, stop_marks
 from convoy.ps.slicing import view
 from convoy.ps.timeline import Timeline
-from convoy.ps.wire import HEADER_BYTES, PostedRecvs, Receiver, StepListener
+from convoy.ps.wire import HEADER_BYTES, REPLY_LANE, PostedRecvs, Receiver, StepListener
 from convoy.sync.rows import sum_rows
 
 
@@ -73,6 +73,8 @@ class ServeShard(SyncStrategy):
         rank: this server's global rank.
         shard: the module its engine trains (``Shard(job, job.layers_of(rank))``).
         timeline: records spans for the Chrome trace, or ``None``.
+        scheduler: the sender of its replies; colocated, the one its rank's worker pushes through
+            (default: its own). This server closes it.
 
     Example::
 
@@ -83,7 +85,8 @@ class ServeShard(SyncStrategy):
 
     completes_in_order = False
 
-    def __init__(self, job: PSJob, rank: int, shard: Shard, timeline: Timeline | None = None):
+    def __init__(self, job: PSJob, rank: int, shard: Shard, timeline: Timeline | None = None,
+                 scheduler: SliceScheduler | None = None):
         super().__init__()
         self.job, self.rank, self.shard, self.timeline = job, rank, shard, timeline
         self.layers = job.layers_of(rank)
@@ -107,14 +110,13 @@ class ServeShard(SyncStrategy):
         self._next_step = {i: 0 for i in self.layers}
         self._update_start: dict[int, float] = {}
         channels = job.channels
-        self.scheduler = SliceScheduler(job.settings.credit_bytes, fifo=job.settings.priority == "fifo",
-                                        on_sent=self._sent, name=f"convoy-ps-reply{rank}")
+        self.scheduler = scheduler or SliceScheduler.for_settings(job.settings, f"convoy-ps-reply{rank}")
         self._recvs = PostedRecvs(lambda worker, sid: channels.group(rank, worker, job.push.channel[sid]),
                                   self._push_buffer)
         self._receivers: list[Any] = [
             Receiver(worker, channels.group(rank, worker, c), self._recvs, self._push_handler(worker, c),
                      self._failure(f"worker rank {worker} failed (channel {c})"),
-                     name=f"convoy-ps-push{rank}-w{worker}c{c}")
+                     name=f"convoy-ps-push{rank}-w{worker}c{c}", ack=channels.ack_group(rank, worker))
             for worker in workers for c in range(channels.count)]
         self._receivers += [
             StepListener(worker, channels.group(rank, worker, 0), self._post_pushes(worker),
@@ -196,7 +198,8 @@ class ServeShard(SyncStrategy):
         channels, pull = self.job.channels, self.job.pull
         transfers = [Transfer(worker, channels.group(self.rank, worker, pull.channel[piece.id]),
                               channels.id(self.rank, worker, pull.channel[piece.id]), piece.id, step,
-                              view(flat, piece), pull.priority[piece.id])
+                              view(flat, piece), self.job.order(pull, piece, self.rank, worker), self._sent,
+                              channels.ack_group(self.rank, worker), lane=REPLY_LANE)
                      for worker in remote for piece in pull.table[layer]]
         self._count(sum(t.nbytes for t in transfers), 0)
         self.scheduler.submit(transfers)

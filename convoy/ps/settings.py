@@ -9,10 +9,13 @@ PRIORITY_MODES = ("graph", "timed", "fifo")
 COLOCATED = "colocated"   # --servers colocated: every rank serves a shard and trains
 
 # Defaults of the prioritised modes: P3 slices at 40 k parameters and
-# ByteScheduler keeps 4 MB in flight; on 100 Mbit-1 Gbit links a 1 MB window
-# is 8-80 ms of preemption delay, and 256 kB slices keep per-slice overhead low.
+# ByteScheduler keeps 4 MB in flight; 256 kB slices keep per-slice overhead low.
+# The window is per peer and counts bytes until the receiver acknowledges them:
+# two slices per peer keep a 100 Mbit link busy even with one peer to send to,
+# and with three peers they queue at most 1.5 MB (120 ms at 100 Mbit) ahead
+# of an urgent slice.
 DEFAULT_SLICE_KB = 256.0
-DEFAULT_CREDIT_KB = 1024.0
+DEFAULT_CREDIT_KB = 512.0
 DEFAULT_CHANNELS = 2
 
 
@@ -29,7 +32,8 @@ class PSSettings:
             (the timing-aware order), or ``fifo`` (arrival order; the baseline).
         channels: process groups per server-worker pair.
         slice_bytes: tensors larger than this are cut into slices; ``None`` sends whole tensors.
-        credit_bytes: bytes a sender keeps in flight at most; ``None`` is unlimited.
+        credit_bytes: bytes a sender keeps in flight to each peer at most, until the receiver
+            acknowledges them; ``None`` is unlimited (and unacknowledged).
         trace_steps: record a timeline of this many steps (after the first) for Chrome's tracer; 0: none.
 
     Example::
@@ -46,6 +50,11 @@ class PSSettings:
     trace_steps: int = 0
     colocated: bool = False
     staleness: int = 0
+
+    @property
+    def acked(self) -> bool:
+        """Receivers acknowledge every slice: a credit window counts bytes until they are delivered."""
+        return self.credit_bytes is not None
 
     @classmethod
     def resolve(cls, servers: int | str = 1, priority: str = "graph", channels: int | None = None,

@@ -28,7 +28,7 @@ def shard_layers(layer_bytes: Sequence[int], servers: int) -> list[int]:
 
 
 # A colocated shard's pieces: at most this fraction of one server's even share of
-# the bytes, so the greedy placement above can balance the servers to within it.
+# the bytes; layers under this fraction of a piece stay whole.
 PIECES_PER_SHARE = 4
 
 
@@ -36,28 +36,63 @@ def split_layers(layer_numels: Sequence[int], layer_rows: Sequence[int | None],
                  servers: int) -> list[tuple[int, int | None, int | None]]:
     """Cut the large layers into units of whole rows (dim 0 of every parameter of the layer).
 
-    Colocated servers each hold 1/N of the model; a layer larger than a
-    quarter of that share is cut into row ranges of about that size (a layer
-    whose parameters do not share dim 0 stays whole), so that no server's link
-    carries much more than its share.
+    Colocated servers each hold 1/N of the model. A layer larger than a
+    sixteenth of that share is cut into a multiple of N row ranges, each at
+    most about a quarter of the share (a layer whose parameters do not share
+    dim 0 stays whole), and :func:`place_units` gives every server an equal
+    share of it: the next forward needs a layer whole, so its bytes should
+    come from every server's link at once, not from one (vgg_fc at 4 ranks:
+    the FC layers and the two last convolutions are cut, the rest, 2% of the
+    bytes, stays whole). No server's link then carries much more than its share.
 
     Returns:
         ``(layer, first row, end row)`` per unit, in layer order; rows ``None``: the whole layer.
 
     Example::
 
-        >>> split_layers([40, 8], [4, None], servers=2)   # units of at most 48 / 2 / 4 = 6 elements
-        [(0, 0, 1), (0, 1, 2), (0, 2, 3), (0, 3, 4), (1, None, None)]
+        >>> split_layers([40, 8, 1], [4, 2, None], servers=2)   # units of at most 49 / 2 / 4 = 6 elements
+        [(0, 0, 1), (0, 1, 2), (0, 2, 3), (0, 3, 4), (1, 0, 1), (1, 1, 2), (2, None, None)]
     """
     if servers < 1:
         raise ValueError(f"servers must be >= 1, got {servers}")
     largest = sum(layer_numels) / servers / PIECES_PER_SHARE
     units: list[tuple[int, int | None, int | None]] = []
     for layer, (numel, rows) in enumerate(zip(layer_numels, layer_rows)):
-        parts = min(rows or 1, math.ceil(numel / largest)) if largest > 0 else 1
-        if parts <= 1:
+        parts = min(rows or 1, servers * math.ceil(numel / largest / servers)) if largest > 0 else 1
+        if numel <= largest / PIECES_PER_SHARE or parts <= 1:
             units.append((layer, None, None))
             continue
         bounds = [rows * k // parts for k in range(parts + 1)]
         units += [(layer, start, end) for start, end in zip(bounds, bounds[1:])]
     return units
+
+
+def place_units(units: Sequence[tuple[int, int | None, int | None]], unit_bytes: Sequence[int],
+                servers: int) -> list[int]:
+    """The server (0..servers-1) of each unit of :func:`split_layers`: a cut layer's units in turn on every
+    server, then the whole layers largest first on the least-loaded server.
+
+    A cut layer's k-th unit goes to server (layer + k) mod ``servers``, so each
+    server holds an equal share of it (its units are equal to within a row);
+    the whole layers then even out the totals as :func:`shard_layers` does.
+
+    Example::
+
+        >>> place_units([(0, 0, 1), (0, 1, 2), (1, None, None), (2, None, None)], [8, 8, 6, 2], servers=2)
+        [0, 1, 0, 1]
+    """
+    if servers < 1:
+        raise ValueError(f"servers must be >= 1, got {servers}")
+    owner = [0] * len(units)
+    load = [0] * servers
+    turn: dict[int, int] = {}
+    for unit, (layer, start, _) in enumerate(units):
+        if start is not None:
+            k = turn[layer] = turn.get(layer, -1) + 1
+            owner[unit] = (layer + k) % servers
+            load[owner[unit]] += unit_bytes[unit]
+    whole = [u for u, (_, start, _) in enumerate(units) if start is None]
+    for unit in sorted(whole, key=lambda u: (-unit_bytes[u], u)):
+        owner[unit] = min(range(servers), key=lambda s: (load[s], s))
+        load[owner[unit]] += unit_bytes[unit]
+    return owner

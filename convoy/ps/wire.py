@@ -10,6 +10,11 @@ link's rate. Hence:
   earlier); a server posts a worker's pushes of step t when the worker
   announces step t (at its first training forward of the step).
 - Each slice's payload travels on its own tag, straight into its buffer.
+- With acknowledgements (a sender whose credit counts bytes until they are
+  delivered, :class:`~convoy.ps.scheduler.SliceScheduler` with ``acked``),
+  the receiver answers every payload with a small message on ``ACK_TAG``, on
+  the pair's acknowledgement connection (:meth:`~convoy.ps.channels.Channels.ack_group`),
+  whose receive the sender posted when it issued the slice.
 - Headers (slice id, step) say in which order the sender issued the slices;
   the receiver keeps ``RING`` header receives posted at all times, so headers
   never wait either. A stream ends with ``RING`` stop headers, which consume
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Any, Callable
 
 import torch
@@ -27,6 +33,14 @@ import torch.distributed as dist
 HEADER_TAG = 0
 REPORT_TAG = 1      # worker -> server 0: (loss, correct, samples) of a step
 STEP_TAG = 2        # worker -> server: "step t starts" (or -1: no more steps)
+ACK_TAG = 3         # receiver -> sender: "a payload of yours is in" (the sender's credit comes back)
+PUSH_LANE, REPLY_LANE = 0, 1   # a sender's credit lanes (SliceScheduler): pushes, and a server's replies
+
+
+def ack_tag(lane: int) -> int:
+    """The tag that acknowledges a payload of ``lane``: a colocated pair's pushes and replies share one
+    acknowledgement connection, and each lane's receives must match its own acknowledgements."""
+    return ACK_TAG + lane
 _PAYLOAD_TAG0 = 16
 RING = 16           # header receives kept posted per channel
 STOP = -1
@@ -37,6 +51,7 @@ def header(slice_id: int, step: int) -> torch.Tensor:
 
 
 HEADER_BYTES = 16
+_ACK = torch.zeros(1, dtype=torch.int64)   # an acknowledgement's content is never read
 
 
 def payload_tag(slice_id: int) -> int:
@@ -94,14 +109,19 @@ class Receiver(threading.Thread):
         recvs: where the payload receives are posted.
         on_slice: called with (slice id, step, time the header arrived) once a payload is in.
         on_error: called with the exception if the stream breaks (a dead peer).
+        ack: acknowledge every payload to the sender on this group (its credit counts bytes until
+            delivered); ``None``: no acknowledgements.
+        lane: the sender's credit lane these payloads travel in (``PUSH_LANE`` or ``REPLY_LANE``).
     """
 
     def __init__(self, peer: int, group: dist.ProcessGroup, recvs: PostedRecvs,
                  on_slice: Callable[[int, int, float], None], on_error: Callable[[BaseException], None],
-                 name: str):
+                 name: str, ack: dist.ProcessGroup | None = None, lane: int = PUSH_LANE):
         super().__init__(name=name, daemon=True)
-        self.peer, self.group, self._recvs = peer, group, recvs
+        self.peer, self.group, self._recvs, self._lane = peer, group, recvs, lane
         self._on_slice, self._on_error = on_slice, on_error
+        self._ack_group = ack
+        self._acks: deque = deque()
 
     def run(self) -> None:
         try:
@@ -119,10 +139,24 @@ class Receiver(threading.Thread):
                     pending += 1
                     arrived = time.time()
                     self._recvs.take(self.peer, slice_id, step).wait()
+                    self._acknowledge()
                     self._on_slice(slice_id, step, arrived)
                 i = (i + 1) % RING
+            self._settle_acks(0)
         except BaseException as exc:  # the owner re-raises it on its main thread
             self._on_error(exc)
+
+    def _acknowledge(self) -> None:
+        """Tell the sender a payload is in (the sender posted this receive when it issued the slice)."""
+        if self._ack_group is None:
+            return
+        self._acks.append(dist.isend(_ACK, self.peer, group=self._ack_group, tag=ack_tag(self._lane)))
+        self._settle_acks(RING)
+
+    def _settle_acks(self, keep: int) -> None:
+        """Wait for the oldest acknowledgements until at most ``keep`` are outstanding."""
+        while self._acks and len(self._acks) > keep:
+            self._acks.popleft().wait()
 
     def _post(self, head: torch.Tensor) -> Any:
         return dist.irecv(head, self.peer, group=self.group, tag=HEADER_TAG)

@@ -39,7 +39,7 @@ from convoy.ps.push import _no_agreement, pieces_within, wire_width
 from convoy.ps.scheduler import SliceScheduler, Transfer, TransferError, stop_marks
 from convoy.ps.slicing import view
 from convoy.ps.timeline import Timeline
-from convoy.ps.wire import HEADER_BYTES, REPORT_TAG, STEP_TAG, PostedRecvs, Receiver
+from convoy.ps.wire import HEADER_BYTES, REPLY_LANE, REPORT_TAG, STEP_TAG, PostedRecvs, Receiver
 from convoy.sync.allreduce import AllReduce
 from convoy.sync.rows import pack_row
 
@@ -83,6 +83,9 @@ class PushPull(AllReduce):
             them, nothing else), for compressors that agree before they push:
             PowerSGD's P round and warm start are summed over it. ``None``: a
             compressor that needs agreement is refused.
+        scheduler: the sender of its pushes; colocated, the one its rank's server
+            replies through, so the rank's link has one priority queue and one
+            credit window (default: its own, which this worker closes).
 
     Example::
 
@@ -96,7 +99,7 @@ class PushPull(AllReduce):
 
     def __init__(self, job: PSJob, rank: int, model: nn.Module, compressor: Compressor | None = None,
                  memory: Memory | None = None, warmup_steps: int = 0, timeline: Timeline | None = None,
-                 agreement_group: dist.ProcessGroup | None = None):
+                 agreement_group: dist.ProcessGroup | None = None, scheduler: SliceScheduler | None = None):
         super().__init__(agreement_group, compressor, memory, warmup_steps)
         self.job, self.rank, self.timeline = job, rank, timeline
         mine = [i for i, workers in enumerate(job.layer_workers) if rank in workers]
@@ -121,14 +124,15 @@ class PushPull(AllReduce):
         self._announcements: list[Any] = []
         self._reports: list[Any] = []
         channels = job.channels
-        self.scheduler = SliceScheduler(job.settings.credit_bytes, fifo=job.settings.priority == "fifo",
-                                        on_sent=self._sent, name=f"convoy-ps-push{rank}")
+        self._owns_scheduler = scheduler is None
+        self.scheduler = scheduler or SliceScheduler.for_settings(job.settings, f"convoy-ps-push{rank}")
         self._recvs = PostedRecvs(lambda server, sid: channels.group(server, rank, job.pull.channel[sid]),
                                   lambda server, sid, step: self._buffer_of(sid, step))
         self._receivers = [
             Receiver(server, channels.group(server, rank, c), self._recvs, self._pull_handler(server, c),
                      self._failure(f"parameter server rank {server} failed (channel {c})"),
-                     name=f"convoy-ps-pull{rank}-s{server}c{c}")
+                     name=f"convoy-ps-pull{rank}-s{server}c{c}", ack=channels.ack_group(server, rank),
+                     lane=REPLY_LANE)
             for server in self._servers for c in range(channels.count)]
         for receiver in self._receivers:
             receiver.start()
@@ -151,6 +155,8 @@ class PushPull(AllReduce):
         units = self.job.units_of[id(bucket.layers[0].module)]
         step = self._exchanges.get(units[0], self._first_step)
         self._last_step = max(self._last_step, step)
+        if self.timeline is not None:
+            self.timeline.instant(f"grad {self.job.layers[units[0]][0]}", "grad", "backward", time.time(), step)
         if self.local_server_engine is not None and step > self._first_step and not self.staleness:
             # Colocated: this rank's checkpoint of step - 1 (its server's step end) reads this worker's
             # error-feedback state; the step's first compression must not change it before.
@@ -192,7 +198,8 @@ class PushPull(AllReduce):
         channels, pieces = self.job.channels, self.job.push.table[layer]
         transfers = [Transfer(server, channels.group(server, self.rank, self.job.push.channel[piece.id]),
                               channels.id(server, self.rank, self.job.push.channel[piece.id]), piece.id, step,
-                              row.narrow(0, piece.offset, size), self.job.push.priority[piece.id])
+                              row.narrow(0, piece.offset, size), self.job.order(self.job.push, piece, self.rank, server),
+                              self._sent, channels.ack_group(server, self.rank))
                      for piece, size in pieces_within(pieces, width)]
         self._count(sum(t.nbytes for t in transfers), 0)
         try:
@@ -272,7 +279,8 @@ class PushPull(AllReduce):
         with self._announce_lock:
             self._send_step(-1)
         try:
-            self.scheduler.close()
+            # A shared scheduler also carries this rank's server's replies: its server closes it.
+            self.scheduler.close() if self._owns_scheduler else self.scheduler.drain()
         except TransferError as exc:
             self._waiter.fail("pushing to a parameter server failed", exc)
         self._settle(self._reports + self._announcements)
@@ -360,7 +368,12 @@ class PushPull(AllReduce):
 
 
     def _compute_hooks(self, model: nn.Module) -> list[Any]:
-        """Forward spans of every layer, for the Chrome trace."""
+        """Forward spans of every layer and the forward's waits for its parameters, for the Chrome trace.
+
+        The pre-hook waits for the layer's pull itself (the engine's own wait,
+        which follows, then finds it done), so the trace shows how long the next
+        forward waited for the network, apart from the layer's compute.
+        """
         started: dict[int, float] = {}
         handles = []
         for module in model.modules():
@@ -369,6 +382,8 @@ class PushPull(AllReduce):
                 continue
 
             def before(m: nn.Module, args: Any, layer: int = layer) -> None:
+                if m.training:
+                    self._trace_wait(layer)
                 started[layer] = time.time()
 
             def after(m: nn.Module, args: Any, output: Any, layer: int = layer) -> None:
@@ -377,6 +392,16 @@ class PushPull(AllReduce):
                                        time.time(), self._announced, layer=layer)
             handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
         return handles
+
+    def _trace_wait(self, layer: int) -> None:
+        """Wait for the parameters the forward of ``layer`` needs (the previous step's pull), as a span."""
+        step = self._exchanges.get(layer, self._first_step)
+        units = self.job.units_of[id(self.job.layers[layer][1])]
+        start = time.time()
+        self._waiter.wait_for(lambda: all(self._pulled.get(u, step) >= step - 1 for u in units), self._check_scheduler)
+        end = time.time()
+        if end - start > 1e-4:
+            self.timeline.span(f"wait {self.job.layers[layer][0]}", "wait", "forward", start, end, step, layer=layer)
 
 
 def _copy_into(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:

@@ -13,7 +13,9 @@ from convoy.ps import PSRoles, PSSettings
 from convoy.ps.channels import channel_map
 from convoy.ps.priority import graph_priorities, timed_priorities
 from convoy.ps.routing import build_routing
-from convoy.ps.sharding import shard_layers
+from convoy.ps.job import PSJob
+from convoy.ps.priority import PriorityPlan
+from convoy.ps.sharding import place_units, shard_layers, split_layers
 from convoy.ps.slicing import cut, join, slice_table, split
 from convoy.ps.trace_graph import Op, OpGraph, model_layers, trace
 
@@ -49,6 +51,46 @@ def test_layers_are_sharded_by_bytes():
     loads = [sum(s for s, o in zip(sizes, owner) if o == server) for server in (0, 1)]
     assert abs(loads[0] - loads[1]) <= max(sizes)     # no better split moves a whole layer
     assert shard_layers(sizes, servers=1) == [0] * len(sizes)
+
+
+def _rows(params: list) -> int | None:
+    rows = {p.shape[0] for p in params}
+    return rows.pop() if len(rows) == 1 else None
+
+
+@pytest.mark.parametrize("name,servers", [("vgg_fc", 4), ("vgg_fc", 3), ("resnet18", 4)])
+def test_colocated_units_give_every_server_an_equal_share_of_each_cut_layer(name, servers):
+    layers = model_layers(build_model(name, in_channels=1, num_classes=10))
+    units = split_layers([sum(p.numel() for p in params) for _, _, params in layers],
+                         [_rows(params) for _, _, params in layers], servers)
+    sizes = [sum(p[start:end].numel() * 4 for p in layers[i][2]) for i, start, end in units]
+    owner = place_units(units, sizes, servers)
+    cut = {i for i, start, _ in units if start is not None}
+    largest = max(range(len(layers)), key=lambda i: sum(p.numel() for p in layers[i][2]))
+    assert largest in cut
+    for layer in cut:   # the next forward needs the layer whole: every server sends as much of it
+        counts = [sum(1 for (i, _, _), o in zip(units, owner) if i == layer and o == s) for s in range(servers)]
+        assert len(set(counts)) == 1, (layers[layer][0], counts)
+    loads = [sum(size for size, o in zip(sizes, owner) if o == s) for s in range(servers)]
+    assert max(loads) <= 1.05 * min(loads), loads
+
+
+def test_colocated_pushes_go_in_turns_one_stream_per_server():
+    """At every position of their queues, the ranks push a cut layer's units to different servers
+    (priority order alone would send every rank's first push to the same one)."""
+    world = 4
+    units = [(0, k, k + 1) for k in range(2 * world)] + [(1, None, None)]
+    owner = place_units(units, [4] * len(units), world)
+    plan = PriorityPlan("graph", tuple(range(len(units))), tuple(range(len(units))), {}, ())
+    settings = PSSettings(servers=world, colocated=True, slice_bytes=None)
+    routing = build_routing([1] * len(units), plan, settings, owner=owner)
+    job = PSJob(PSRoles.colocate(world), settings, None, plan, [], {}, routing, routing, [], None, {},
+                layer_rank=[0] * (len(units) - 1) + [len(units) - 1])
+    queues = [sorted((job.order(routing, routing.table[u][0], rank, owner[u]), owner[u])
+                     for u in range(len(units)) if owner[u] != rank) for rank in range(world)]
+    for position in range(len(queues[0]) - 1):   # the cut layer's units: all but the last (whole) layer
+        assert len({queue[position][1] for queue in queues}) == world, position
+    assert all(queue[-1][0][0] == len(units) - 1 for queue in queues if queue[-1][1] == owner[-1])
 
 
 # ------------------------------------------------------------- priorities
@@ -150,7 +192,7 @@ def test_settings_resolve_per_mode_and_reject_bad_values():
     fifo = PSSettings.resolve(servers=1, priority="fifo")
     assert (fifo.channels, fifo.slice_bytes, fifo.credit_bytes) == (1, None, None)
     graph = PSSettings.resolve(servers=2, priority="graph", slice_kb=1.5)
-    assert graph.slice_bytes == 1536 and graph.credit_bytes == 1024 * 1024
+    assert graph.slice_bytes == 1536 and graph.credit_bytes == 512 * 1024
     for kwargs, message in [({"channels": 0}, "--channels must be >= 1"), ({"slice_kb": 0}, "--slice-kb must be > 0"),
                             ({"credit_kb": -1}, "--credit-kb must be > 0"), ({"priority": "lifo"}, "choose one of")]:
         with pytest.raises(UsageError, match=message):

@@ -20,7 +20,7 @@ from convoy.engine import Engine
 from convoy.parallel.ps import ParameterServerLayout
 from convoy.ps import PSSettings
 from convoy.ps.scheduler import SliceScheduler, Transfer
-from convoy.ps.wire import HEADER_BYTES, HEADER_TAG, payload_tag
+from convoy.ps.wire import ACK_TAG, HEADER_BYTES, HEADER_TAG, payload_tag
 from convoy.sync import AllReduce
 from tests.helpers import digits_batches, flat, free_port, run_workers, seeded_model
 
@@ -85,7 +85,8 @@ def _train_allreduce(rank: int, servers: int, world: int, compressed: bool = Fal
 
 def _scheduler_order(rank: int, group) -> list[int]:
     """Rank 0 sends a low-priority tensor in 4 slices; a 2-slice high-priority one becomes
-    ready while the second low slice is in flight. Rank 1 holds its receives back until then."""
+    ready while the second low slice is in flight, with the next step's most urgent slice.
+    Rank 1 holds its receives back until then."""
     low = [torch.full((SLICE // 4,), float(i)) for i in range(4)]
     high = [torch.full((SLICE // 4,), 10.0 + i) for i in range(2)]
     if rank == 0:
@@ -93,19 +94,49 @@ def _scheduler_order(rank: int, group) -> list[int]:
         scheduler.submit(Transfer(1, group, 0, i, 0, t, (5, i)) for i, t in enumerate(low))
         while len(scheduler.issued) < 2:      # low 0 sent; low 1 issued, waiting for rank 1
             time.sleep(0.01)
-        scheduler.submit(Transfer(1, group, 0, 10 + i, 0, t, (1, i)) for i, t in enumerate(high))
+        scheduler.submit([Transfer(1, group, 0, 20, 1, torch.full((SLICE // 4,), 20.0), (0, 0))]
+                         + [Transfer(1, group, 0, 10 + i, 0, t, (1, i)) for i, t in enumerate(high)])
         dist.send(torch.zeros(1), 1, group=group, tag=9)
         scheduler.close()
         return [t.slice_id for t in scheduler.issued]
-    received, head, payload = [], torch.empty(2, dtype=torch.int64), torch.empty(SLICE // 4)
-    for i in range(6):
+    received = []
+    for i in range(7):
         if i == 1:
             dist.recv(torch.zeros(1), 0, group=group, tag=9)   # the high slices are queued now
-        dist.recv(head, 0, group=group, tag=HEADER_TAG)
-        dist.recv(payload, 0, group=group, tag=payload_tag(int(head[0])))
-        assert payload[0].item() == (head[0].item() if head[0] < 10 else 10.0 + head[0].item() - 10)
-        received.append(int(head[0]))
+        received.append(_receive_slice(group))
     return received
+
+
+def _receive_slice(group) -> int:
+    """Rank 1: the next slice from rank 0 (its header, then its payload, which holds its id)."""
+    head, payload = torch.empty(2, dtype=torch.int64), torch.empty(SLICE // 4)
+    dist.recv(head, 0, group=group, tag=HEADER_TAG)
+    dist.recv(payload, 0, group=group, tag=payload_tag(int(head[0])))
+    assert payload[0].item() == head[0].item()
+    return int(head[0])
+
+
+def _acked_credit(rank: int, group) -> tuple[list[int], list[int]] | None:
+    """Rank 0 sends two slices with credit for one, acknowledged; rank 1 takes the first and holds
+    its acknowledgement back. Rank 0's slices issued meanwhile, and in the end."""
+    if rank == 0:
+        scheduler = SliceScheduler(credit_bytes=SLICE, acked=True, record=True)
+        scheduler.submit(Transfer(1, group, 0, i, 0, torch.full((SLICE // 4,), float(i)), (0, i), ack_group=group)
+                         for i in range(2))
+        dist.recv(torch.zeros(1), 1, group=group, tag=9)   # the first slice is in, not acknowledged
+        time.sleep(0.3)   # time enough to issue the second, were its credit back
+        meanwhile = [t.slice_id for t in scheduler.issued]
+        dist.send(torch.zeros(1), 1, group=group, tag=10)
+        scheduler.close()
+        return meanwhile, [t.slice_id for t in scheduler.issued]
+    if rank == 1:
+        _receive_slice(group)
+        dist.send(torch.zeros(1), 0, group=group, tag=9)
+        dist.recv(torch.zeros(1), 0, group=group, tag=10)
+        dist.send(torch.zeros(1, dtype=torch.int64), 0, group=group, tag=ACK_TAG)
+        _receive_slice(group)
+        dist.send(torch.zeros(1, dtype=torch.int64), 0, group=group, tag=ACK_TAG)
+    return None
 
 
 def _job(rank: int, world: int, out_dir: str):
@@ -113,6 +144,7 @@ def _job(rank: int, world: int, out_dir: str):
     pair = dist.new_group([0, 1])
     if rank in (0, 1):
         results["scheduler"] = _scheduler_order(rank, pair)
+        results["acked"] = _acked_credit(rank, pair)
     for servers in (1, 2):
         for mode, kwargs in MODES:
             traced = (servers, mode) == TRACED
@@ -155,9 +187,20 @@ def test_compressed_pushes_equal_allreduce_with_the_same_compressor(job):
 @pytest.mark.timeout(600)
 def test_scheduler_sends_by_priority_and_preempts_at_slice_boundaries(job):
     results, _ = job
-    expected = [0, 1, 10, 11, 2, 3]   # low 1 was in flight: finished, not taken back
+    # Low 1 was in flight: finished, not taken back. The next step's slice, however urgent, goes after
+    # this step's (a colocated rank's pushes of step t+1 must not hold back its replies of step t).
+    expected = [0, 1, 10, 11, 2, 3, 20]
     assert results[0]["scheduler"] == expected
     assert results[1]["scheduler"] == expected
+
+
+@pytest.mark.timeout(600)
+def test_acknowledged_credit_comes_back_only_when_the_receiver_has_the_slice(job):
+    """A send completes once the kernel holds its bytes; acknowledged credit waits for the receiver."""
+    results, _ = job
+    meanwhile, issued = results[0]["acked"]
+    assert meanwhile == [0]
+    assert issued == [0, 1]
 
 
 @pytest.mark.timeout(600)
