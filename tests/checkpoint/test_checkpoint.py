@@ -100,6 +100,17 @@ def test_a_flipped_byte_in_a_layer_of_the_newest_area_falls_back_to_the_other(ni
     assert "area B: damaged" in err and "using area A (step 8)" in err and "resumed" in err
 
 
+def test_a_flipped_byte_in_the_newest_area_of_a_rank_file_falls_back_to_the_step_before(nine_steps, trace, capsys):
+    """Rank files are checked by page sums, not CRC-32: a changed byte is still found."""
+    path = nine_steps / "state-rank0.ckpt"
+    store, area_b = _area_offset(path, 1)
+    assert store.layout.checksum == "pagesum"
+    _flip(path, area_b + store.layout.slots[0].offset + store.layout.slots[0].nbytes // 2)
+    err = _resume_and_finish(nine_steps, trace, capsys)
+    assert "state-rank0.ckpt: area B: damaged (layer 'state' checksum mismatch)" in err
+    assert "resumed from" in err and "at step 8" in err
+
+
 def test_a_damaged_commit_record_of_the_newest_area_falls_back_to_the_other(nine_steps, trace, capsys):
     path = nine_steps / "model-rank0.ckpt"
     _, area_b = _area_offset(path, 1)
