@@ -53,7 +53,7 @@ class Store:
         self.dax = fs_info(path).dax
         self._mm = mmap.mmap(fd, self.size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ) \
             if self.size else None
-        self._staging: mmap.mmap | None = None   # write_staged's page-aligned buffer, reused
+        self._staging: mmap.mmap | None = None   # _write_staged's page-aligned buffer, reused
         self._direct_fd: int | None = None       # the file opened with O_DIRECT (-1: not possible here)
 
     @property
@@ -150,7 +150,7 @@ class Store:
 
         Where the file takes ``O_DIRECT`` writes (ext4, xfs: not tmpfs, not DAX), the
         slot is copied into a page-aligned staging buffer that stays in memory,
-        checked there, and written with one ``O_DIRECT`` write per half slot: the
+        checked there, and written with one ``O_DIRECT`` write: the
         bytes go to the disk without a second copy into the page cache, without
         faulting in page-cache pages (costly on a new file), and without dirty
         pages for the kernel to write back. Elsewhere the slot is written straight
@@ -202,7 +202,10 @@ class Store:
         if self._staging is None or len(self._staging) < length:
             if self._staging is not None:
                 self._staging.close()
-            self._staging = mmap.mmap(-1, max(length, PAGE))   # anonymous: page-aligned, as O_DIRECT needs
+            # Anonymous memory is page-aligned, as O_DIRECT needs; as large as the largest slot,
+            # so that it is faulted in once.
+            largest = max([align(slot.nbytes) for slot in self.layout.slots] + [length, PAGE])
+            self._staging = mmap.mmap(-1, largest)
             if hasattr(mmap, "MADV_HUGEPAGE"):     # fewer page faults the first time it is filled
                 self._staging.madvise(mmap.MADV_HUGEPAGE)
         return self._staging
