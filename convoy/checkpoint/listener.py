@@ -388,12 +388,21 @@ class CheckpointListener(Listener):
             store.invalidate(area)
             if self.full_every:   # this area's log extended the snapshot being overwritten
                 DiffLog.start(log_path(store.path, area), generation, step + 1).close()
+        released = []
+
+        def release() -> None:
+            # Once only: after it the layer's next update may run and hand over its next checkpoint,
+            # whose hold a second release would drop before that checkpoint is read.
+            if not released:
+                released.append(True)
+                with self._cond:
+                    self._held[index] = False
+                    self._cond.notify_all()
         try:
-            checksums[index] = store.write_tensors(area, index, tensors, generation)
+            # The layer is released as soon as its bytes are copied, not after the write to the disk.
+            checksums[index] = store.write_tensors(area, index, tensors, generation, read=release)
         finally:
-            with self._cond:
-                self._held[index] = False
-                self._cond.notify_all()
+            release()
         if meta:
             metas[store.layout.slots[index].name] = meta
         self.stats["bytes_written"] += store.layout.slots[index].nbytes

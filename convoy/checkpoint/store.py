@@ -22,6 +22,7 @@ import os
 import warnings
 import zlib
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -143,7 +144,8 @@ class Store:
         self._write(start + half, data[half:])
         self._sync(start, len(data))
 
-    def write_tensors(self, area: int, index: int, tensors: list[torch.Tensor], generation: int) -> int:
+    def write_tensors(self, area: int, index: int, tensors: list[torch.Tensor], generation: int,
+                      read: Callable[[], None] | None = None) -> int:
         """Write slot ``index`` of ``area`` from ``tensors`` (its layout order); return its checksum
         (the function the layout names). Nothing is flushed: call :meth:`flush` once every slot
         of the step is written.
@@ -156,13 +158,17 @@ class Store:
         pages for the kernel to write back. Elsewhere the slot is written straight
         from the tensors' own memory (one ``pwritev`` per half slot, or stores into
         a DAX mapping), zero padding included; the bytes and the checksum are the
-        same either way.
+        same either way. ``read`` is called once ``tensors`` are no longer needed:
+        when staged, as soon as they are copied, before the check and the write.
         """
         slot = self.layout.slots[index]
         parts = _slot_parts(slot, tensors)
         if self.dax or self._direct() < 0:
-            return self._write_in_place(area, index, parts, generation)
-        return self._write_staged(area, index, parts, generation)
+            checksum = self._write_in_place(area, index, parts, generation)
+            if read is not None:
+                read()
+            return checksum
+        return self._write_staged(area, index, parts, generation, read)
 
     def _write_in_place(self, area: int, index: int, parts: list[memoryview], generation: int) -> int:
         slot = self.layout.slots[index]
@@ -178,15 +184,21 @@ class Store:
             return checksum
         return checksum_function(self.layout.checksum)(self.slot_bytes(area, index))
 
-    def _write_staged(self, area: int, index: int, parts: list[memoryview], generation: int) -> int:
+    def _write_staged(self, area: int, index: int, parts: list[memoryview], generation: int,
+                      read: Callable[[], None] | None) -> int:
         slot = self.layout.slots[index]
         length = align(slot.nbytes)   # slots start on a page and the area holds whole pages
         view = memoryview(self._staging_buffer(length))[:length]
         parts = parts + [memoryview(bytes(length - slot.nbytes))]   # the buffer held another slot before
         if self.layout.checksum == "pagesum":
-            checksum = fold_page_sums(_copy_summing(parts, view)[:-(-slot.nbytes // PAGE)])
+            sums = _copy_summing(parts, view)
         else:
             _copy(parts, view, 0, length)
+        if read is not None:
+            read()   # the tensors may change from here on: the check and the write read the copy
+        if self.layout.checksum == "pagesum":
+            checksum = fold_page_sums(sums[:-(-slot.nbytes // PAGE)])
+        else:
             checksum = checksum_function(self.layout.checksum)(view[:slot.nbytes])
         start = self._area_offset(area) + slot.offset
         # Each O_DIRECT write waits for the disk, and the persister, at the lowest priority, then

@@ -152,3 +152,21 @@ def test_a_write_the_file_system_refuses_with_o_direct_goes_through_the_page_cac
     store.commit(1, CommitRecord(1, 1, 0, 1, [store.write_tensors(1, 0, [tensor], 1)]))
     assert store.verify(1).step == 1 and torch.equal(store.tensors(1, 0)["x"], tensor)
     store.close()
+
+
+@pytest.mark.parametrize("checksum", ["pagesum", "crc32"])
+def test_a_layer_changed_once_the_store_has_read_it_is_stored_as_it_was(tmp_path, checksum):
+    """The persister releases a layer to its next update as soon as the store calls ``read``:
+    what changes after that must not reach the file nor its check."""
+    weight = torch.randn(70_001)
+    before = weight.clone()
+    layout = Layout("model", [Slot("fc", [TensorSpec.of("param.weight", weight)])], {"checksum": checksum})
+    store = Store.create(tmp_path / "m.ckpt", layout)
+    calls = []
+    store.invalidate(1)
+    crc = store.write_tensors(1, 0, [weight], 1, read=lambda: (calls.append(1), weight.add_(1.0)))
+    store.flush(1)
+    store.commit(1, CommitRecord(1, 1, 0, 1, [crc]))
+    assert calls == [1] and store.verify(1).step == 1
+    assert torch.equal(store.tensors(1, 0)["param.weight"], before)
+    store.close()
