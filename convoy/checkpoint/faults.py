@@ -30,6 +30,11 @@ def configure(kill: str = "", delay: float = 0.0) -> None:
     _KILL, _DELAY = kill, delay
 
 
+def armed() -> bool:
+    """Whether a kill point or a delay is set (writers split their writes only then)."""
+    return bool(_KILL or _DELAY)
+
+
 def halfway(kind: str, generation: int, index: int = 0) -> None:
     """Called by the store half-way through writing a slot or a commit record (``generation``
     is the step for a differential record)."""

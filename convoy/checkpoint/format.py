@@ -20,8 +20,9 @@ import json
 import struct
 import zlib
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import torch
 
 MAGIC = b"CONVOYCK"
@@ -101,6 +102,12 @@ class Layout:
     def area_size(self) -> int:
         return self._area
 
+    @property
+    def checksum(self) -> str:
+        """The name of the function that checks this file's slots (``CHECKSUMS``); files
+        written before there was a choice say nothing and use CRC-32."""
+        return self.info.get("checksum", "crc32")
+
     def signature(self) -> str:
         """A hash of the names, dtypes and shapes: equal signatures mean the same model."""
         text = json.dumps([[s.name, s.spec()] for s in self.slots])
@@ -129,6 +136,52 @@ class Layout:
         slots = [Slot(s["name"], [TensorSpec(t["key"], t["dtype"], t["shape"]) for t in s["tensors"]])
                  for s in data["slots"]]
         return cls(data["kind"], slots, data.get("info", {}))
+
+
+def pagesum(data: bytes | memoryview) -> int:
+    """A 32-bit check of ``data`` (a multiple of 8 bytes) that costs one vectorised pass.
+
+    ``data`` is read as 64-bit words, summed per 4 KiB page; the check folds
+    (with CRC-32) the sum of the pages' sums and their sum weighted by page
+    number, both modulo 2^64. Any changed word, and any page lost, stale or
+    written in another page's place, changes it (bar a 2^-32 fold collision).
+    Unlike CRC-32 it misses changes that cancel within a page (the same bit
+    flipped up in one word and down in another): it is for slots whose
+    completeness the commit protocol already guarantees, and which are too
+    large to run CRC-32 over every step (a rank's error-feedback residuals).
+    """
+    return fold_page_sums(page_sums(data))
+
+
+def page_sums(data: bytes | memoryview, out: np.ndarray | None = None) -> np.ndarray:
+    """The sum modulo 2^64 of each 4 KiB page of ``data`` (a multiple of 8 bytes; a last,
+    partial page counts as if padded with zeros), into ``out`` when given."""
+    words = np.frombuffer(data, dtype=np.uint64)
+    whole = len(words) - len(words) % _PAGE_WORDS
+    pages = -(-len(words) // _PAGE_WORDS)
+    sums = np.empty(pages, dtype=np.uint64) if out is None else out[:pages]
+    words[:whole].reshape(-1, _PAGE_WORDS).sum(axis=1, dtype=np.uint64, out=sums[:whole // _PAGE_WORDS])
+    if whole < len(words):
+        sums[-1] = words[whole:].sum(dtype=np.uint64)
+    return sums
+
+
+def fold_page_sums(sums: np.ndarray) -> int:
+    """:func:`pagesum` of the data whose :func:`page_sums` are ``sums``."""
+    weighted = sums * np.arange(1, len(sums) + 1, dtype=np.uint64)
+    return zlib.crc32(struct.pack("<QQ", int(sums.sum(dtype=np.uint64)), int(weighted.sum(dtype=np.uint64))))
+
+
+_PAGE_WORDS = PAGE // 8
+CHECKSUMS: dict[str, Callable[[bytes | memoryview], int]] = {"crc32": zlib.crc32, "pagesum": pagesum}
+
+
+def checksum_function(name: str) -> Callable[[bytes | memoryview], int]:
+    """The checksum a layout names; FormatError for one this convoy does not know."""
+    try:
+        return CHECKSUMS[name]
+    except KeyError:
+        raise FormatError(f"unknown slot checksum {name!r}") from None
 
 
 def _brief(slot: Slot) -> str:

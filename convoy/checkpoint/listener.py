@@ -53,7 +53,10 @@ from convoy.checkpoint.store import AREAS, Store
 from convoy.engine.listeners import Listener
 from convoy.utils.threads import PERSISTER_THREAD_NICE, lower_priority
 
-_POLL_S = (0.001, 0.05)      # first and longest sleep while waiting for a peer's file
+# First and longest sleep while waiting for a peer's file: a peer's commit is on the path of
+# every checkpoint (the writer's commit of step t waits for the ranks' files of t, theirs of t + 1
+# for the writer's of t), so a long sleep past it delays the next one; a poll costs ~0.1 ms.
+_POLL_S = (0.001, 0.01)
 AUTO_PROBE_STEPS = (4, 3)    # auto: steps measured without, then with checkpoints
 DEFAULT_BUDGET = 0.03        # auto: the share of step time checkpoints may cost (CheckFreq's 3.5%)
 DEFAULT_FULL_EVERY = 10      # differential: a full snapshot every this many checkpoints
@@ -385,12 +388,21 @@ class CheckpointListener(Listener):
             store.invalidate(area)
             if self.full_every:   # this area's log extended the snapshot being overwritten
                 DiffLog.start(log_path(store.path, area), generation, step + 1).close()
+        released = []
+
+        def release() -> None:
+            # Once only: after it the layer's next update may run and hand over its next checkpoint,
+            # whose hold a second release would drop before that checkpoint is read.
+            if not released:
+                released.append(True)
+                with self._cond:
+                    self._held[index] = False
+                    self._cond.notify_all()
         try:
-            checksums[index] = store.write_tensors(area, index, tensors, generation)
+            # The layer is released as soon as its bytes are copied, not after the write to the disk.
+            checksums[index] = store.write_tensors(area, index, tensors, generation, read=release)
         finally:
-            with self._cond:
-                self._held[index] = False
-                self._cond.notify_all()
+            release()
         if meta:
             metas[store.layout.slots[index].name] = meta
         self.stats["bytes_written"] += store.layout.slots[index].nbytes
@@ -462,7 +474,9 @@ class CheckpointListener(Listener):
 
     def _persist_rank_state(self, done: int, epoch: int, position: int, state: dict) -> None:
         cpu = time.thread_time()
-        layout = rank_layout(state, {"rank": self.rank})
+        # The residuals are rewritten whole every step: a CRC-32 of them would cost more than
+        # writing them. The commit protocol already vouches that a committed area is complete.
+        layout = rank_layout(state, {"rank": self.rank, "checksum": "pagesum"})
         if self.rank_store is None or self.rank_store.layout.signature() != layout.signature():
             if self.rank_store is not None:
                 self.rank_store.close()

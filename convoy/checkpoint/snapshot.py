@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from convoy.checkpoint.format import Layout, Slot, TensorSpec
-from convoy.compress.base import ResidualMemory
 from convoy.engine.layers import parameter_modules
 
 ROOT = "<root>"   # the name the engine gives a model that owns parameters itself
@@ -115,19 +114,14 @@ def rank_state(model: nn.Module, sync: Any, buffers: dict[str, torch.Tensor] | N
     out = {f"buffer.{k}": v for k, v in (buffers or {}).items()}
     for name, buf in model.named_buffers():
         out.setdefault(f"buffer.{name}", buf.detach().clone())
-    replaced = _replaced_each_step(sync)
+    replaced = getattr(getattr(sync, "memory", None), "replaced_each_step", ())
     for key, value in sync.state_tensors().items():
-        out[f"sync.{key}"] = value.detach() if replaced and key.startswith("residual.") else value.detach().clone()
+        # A tensor the memory replaces every step is a snapshot as it is: no copy on the training path.
+        out[f"sync.{key}"] = value.detach() if key.split(".", 1)[0] in replaced else value.detach().clone()
     out["rng.torch"] = torch.get_rng_state()
     if scaler is not None:
         out.update({f"scaler.{key}": value for key, value in scaler.state_tensors().items()})
     return out
-
-
-def _replaced_each_step(sync: Any) -> bool:
-    """Whether the strategy's residuals are new tensors every step, never written into
-    (``ResidualMemory``): then a reference is a snapshot, and the copy on the training path is saved."""
-    return type(getattr(sync, "memory", None)) is ResidualMemory
 
 
 def module_buffers(prefix: str, module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:

@@ -129,6 +129,9 @@ class Memory(ABC):
 
     # Whether compensate wants the layer's flat parameters (to add weight decay).
     needs_params: bool = False
+    # The kinds of :meth:`kept` whose tensors are replaced by new ones every step, never
+    # written into: a reference to one is a snapshot (a checkpoint need not copy it).
+    replaced_each_step: tuple[str, ...] = ()
 
     @abstractmethod
     def compensate(self, tensor: torch.Tensor, name: str,
@@ -179,6 +182,8 @@ class ResidualMemory(Memory):
     Invariant: ``sent + new residual == gradient + old residual`` exactly,
     because the residual is computed as that difference.
     """
+
+    replaced_each_step = ("residual",)
 
     def __init__(self) -> None:
         self.residuals: dict[str, torch.Tensor] = {}

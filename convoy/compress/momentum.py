@@ -57,6 +57,8 @@ class MomentumCorrection(Memory):
         >>> memory.update(compensated, "3", sent)
     """
 
+    replaced_each_step = ("residual",)   # the velocities are updated in place
+
     def __init__(self, momentum: float, clip_norm: float | None = None, world_size: int = 1,
                  weight_decay: float = 0.0, masking: bool = True):
         if not 0.0 <= momentum < 1.0:

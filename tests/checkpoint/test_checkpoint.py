@@ -100,6 +100,17 @@ def test_a_flipped_byte_in_a_layer_of_the_newest_area_falls_back_to_the_other(ni
     assert "area B: damaged" in err and "using area A (step 8)" in err and "resumed" in err
 
 
+def test_a_flipped_byte_in_the_newest_area_of_a_rank_file_falls_back_to_the_step_before(nine_steps, trace, capsys):
+    """Rank files are checked by page sums, not CRC-32: a changed byte is still found."""
+    path = nine_steps / "state-rank0.ckpt"
+    store, area_b = _area_offset(path, 1)
+    assert store.layout.checksum == "pagesum"
+    _flip(path, area_b + store.layout.slots[0].offset + store.layout.slots[0].nbytes // 2)
+    err = _resume_and_finish(nine_steps, trace, capsys)
+    assert "state-rank0.ckpt: area B: damaged (layer 'state' checksum mismatch)" in err
+    assert "resumed from" in err and "at step 8" in err
+
+
 def test_a_damaged_commit_record_of_the_newest_area_falls_back_to_the_other(nine_steps, trace, capsys):
     path = nine_steps / "model-rank0.ckpt"
     _, area_b = _area_offset(path, 1)
@@ -212,3 +223,26 @@ def test_the_fp16_loss_scale_is_checkpointed_and_restored(tmp_path):
                                                                        "skipped_steps": 1}
     session2.listener.close()
     engine2.close()
+
+
+@pytest.mark.parametrize("memory", ["residual", "momentum correction"])
+def test_the_rank_state_taken_after_a_step_keeps_its_values_through_the_next(memory):
+    """Residuals are taken by reference (no copy on the training path) because both memories
+    replace them every step; momentum correction's velocities, updated in place, are copied."""
+    from convoy.checkpoint.snapshot import rank_state
+    from convoy.compress import MomentumCorrection, ResidualMemory, build_compressor
+
+    memory = ResidualMemory() if memory == "residual" else MomentumCorrection(0.9)
+    compressor, _ = build_compressor("blocktopk", block_fraction=0.1, dense_below=0)
+    sync = AllReduce(None, compressor, memory)
+    shapes = (torch.Size([64, 32]),)
+    generator = torch.Generator().manual_seed(4)
+    sync.start_flat(0, shapes, torch.randn(64 * 32, generator=generator)).wait()
+    state = rank_state(lenet(), sync)
+    taken = {key: value.clone() for key, value in state.items() if key.startswith("sync.")}
+    assert state["sync.residual.0"].data_ptr() == memory.residuals["0"].data_ptr()
+    sync.start_flat(0, shapes, torch.randn(64 * 32, generator=generator)).wait()
+    assert set(taken) == {f"sync.{key}" for key in memory.state_tensors()}
+    for key, value in taken.items():
+        assert torch.equal(state[key], value), f"{key} changed under the checkpoint"
+        assert not torch.equal(value, memory.state_tensors()[key[len("sync."):]]), "the step changed nothing"
