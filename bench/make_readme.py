@@ -502,8 +502,8 @@ BLOCKS: tuple[Block, ...] = (
           "torch.save and torch.distributed.checkpoint's async_save every step; torch.load for recovery",
           _checkpoint("checkpoint")),
     Block("checkpoint_blocktopk", "Checkpointing every step under blocktopk (differential checkpoints)",
-          ("checkpoint_blocktopk",), "python bench/checkpoint.py --compress blocktopk --models resnet18 --steps 10 "
-          "--rounds 2 --modes convoy convoy_full torch_save_fsync",
+          ("checkpoint_blocktopk",), "python bench/checkpoint.py --models resnet18 --steps 10 --rounds 2 "
+          "--compress blocktopk",
           "torch.save with fsync every step, each rank's residuals included",
           _checkpoint("checkpoint_blocktopk")),
     Block("stop_flag", "What the stop signal adds to the guard's per-step flag", ("stop_flag",),
