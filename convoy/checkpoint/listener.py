@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from convoy.checkpoint import difflog
+from convoy.checkpoint.arena import RankArena
 from convoy.checkpoint.difflog import DiffLog, log_path, read_chain
 from convoy.checkpoint.format import CommitRecord, FormatError, Layout
 from convoy.checkpoint.snapshot import layer_sources, module_buffers, rank_layout, rank_state
@@ -194,6 +195,11 @@ class CheckpointListener(Listener):
         self._cond = threading.Condition()
         self._ends_in_flight = 0
         self._buffers: dict[str, torch.Tensor] = {}
+        # Residuals placed straight into images of the rank file's slot (the persister's thread
+        # builds it once the layout is known): only where the checkpoint keeps references to them.
+        self._memory = getattr(engine.sync, "memory", None) if copy_on_write else None
+        self._arena: RankArena | None = None
+        self._arena_store: Store | None = None   # the rank store the arena mirrors
         self._queue: queue.Queue = queue.Queue()
         self._peers: dict[Path, PeerFile] = {}
         self._error: BaseException | None = None
@@ -310,16 +316,24 @@ class CheckpointListener(Listener):
             self._auto.observe(step, self.stats)
             if self._auto.decided_at(step):
                 self._adopt(self._auto.decide(self.stats), step)
+        arena = self._arena
         if not self.due(step):
+            if arena is not None:
+                arena.step_ended(step)
             if self.logs_update(step):   # the writer's log record of a step between checkpoints
                 self.stats["blocked_s"] += self._wait(lambda: self._ends_in_flight < 2)
                 with self._cond:
                     self._ends_in_flight += 1
-                self._queue.put(("end", step, None, None, False))
+                self._queue.put(("end", step, None, None, False, None))
             return
         start = time.perf_counter()
         state = rank_state(self.model, self.engine.sync, self._buffers, self.engine.loss_scaler)
         self._buffers = {}
+        image = arena.image_of(state, step) if arena is not None else None
+        if image is not None:
+            arena.begin_write(image)
+        if arena is not None:
+            arena.step_ended(step)
         group = self.engine.optimizers[0].param_groups[0]
         extra = {"forward_order": [layer.name for layer in self.engine.layers],
                  "hyper": {k: v for k, v in group.items() if k != "params" and _jsonable(v)}}
@@ -334,7 +348,7 @@ class CheckpointListener(Listener):
         self.stats["blocked_s"] += self._wait(lambda: self._ends_in_flight < 2)
         with self._cond:
             self._ends_in_flight += 1
-        self._queue.put(("end", step, state, extra, full))
+        self._queue.put(("end", step, state, extra, full, (arena, image) if image is not None else None))
         self.stats["stall_s"] += time.perf_counter() - start
 
     def _adopt(self, every: int, step: int) -> None:
@@ -410,8 +424,8 @@ class CheckpointListener(Listener):
     def _keep_update(self, step: int, index: int, update: difflog.BucketUpdate | None, updates: dict) -> None:
         updates[self.model_store.layout.slots[index].name] = update   # None: the step skipped the layer
 
-    def _persist_end(self, step: int, state: dict | None, extra: dict | None, full: bool, checksums: dict,
-                     metas: dict, updates: dict) -> None:
+    def _persist_end(self, step: int, state: dict | None, extra: dict | None, full: bool,
+                     image: tuple[RankArena, int] | None, checksums: dict, metas: dict, updates: dict) -> None:
         done = step + 1
         if state is None:   # a step between checkpoints: only the writer's log record
             self._commit_update(done, updates, checkpoint=False)
@@ -427,7 +441,11 @@ class CheckpointListener(Listener):
             # Nor a model file two checkpoints ahead of another: each keeps two, and a
             # resume needs a step every file holds.
             self._await_peer(model_file(self.directory, writer), self._last_rank_step)
-        self._persist_rank_state(done, epoch, position, state)
+        try:
+            self._persist_rank_state(done, epoch, position, state, image)
+        finally:
+            if image is not None:
+                image[0].end_write(image[1])
         if self.model_store is not None:
             for peer in self.local_ranks:
                 if peer != self.rank:
@@ -472,7 +490,8 @@ class CheckpointListener(Listener):
         self.stats["commits"] += checkpoint
         self.stats["differential"] += checkpoint
 
-    def _persist_rank_state(self, done: int, epoch: int, position: int, state: dict) -> None:
+    def _persist_rank_state(self, done: int, epoch: int, position: int, state: dict,
+                            image: tuple[RankArena, int] | None = None) -> None:
         cpu = time.thread_time()
         # The residuals are rewritten whole every step: a CRC-32 of them would cost more than
         # writing them. The commit protocol already vouches that a committed area is complete.
@@ -481,17 +500,35 @@ class CheckpointListener(Listener):
             if self.rank_store is not None:
                 self.rank_store.close()
             self.rank_store = Store.create(rank_file(self.directory, self.rank), layout)
+        if self._arena_store is not self.rank_store:
+            self._build_arena()
         generation = self._rank_gen + 1
         area = generation % AREAS
         self.rank_store.invalidate(area)
-        checksum = self.rank_store.write_tensors(area, 0, [state[spec.key] for spec in layout.slots[0].tensors],
-                                                 generation)
+        if image is not None and image[0] is self._arena:
+            arena, index = image
+            checksum = self.rank_store.write_image(area, 0, arena.fill(index, state), generation)
+        else:
+            checksum = self.rank_store.write_tensors(area, 0, [state[spec.key] for spec in layout.slots[0].tensors],
+                                                     generation)
         self.rank_store.flush(area)
         self.rank_store.commit(area, CommitRecord(generation, done, epoch, position, [checksum],
                                                   {"rank": self.rank}))
         self.stats["bytes_written"] += layout.slots[0].nbytes
         self.stats["state_cpu_s"] += time.thread_time() - cpu
         self._rank_gen, self._last_rank_step = generation, done
+
+    def _build_arena(self) -> None:
+        """Have the memory put its residuals into images of the rank file's slot, where the
+        file takes them as they are (page sums, O_DIRECT); else keep staging them."""
+        self._arena, self._arena_store = None, self.rank_store
+        if self._memory is not None and self.rank_store.can_write_images() and any(
+                spec.key.startswith("sync.residual.") for spec in self.rank_store.layout.slots[0].tensors):
+            arena = RankArena(self.rank_store.layout.slots[0])
+            self._memory.place = lambda key, like: arena.place("sync." + key, like, self._step)
+            self._arena = arena
+        elif self._memory is not None:
+            self._memory.place = None
 
     def _await_peer(self, path: Path, step: int) -> None:
         deadline = time.monotonic() + self._timeout
@@ -526,6 +563,8 @@ class CheckpointListener(Listener):
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+        if self._memory is not None:
+            self._memory.place = None
         for handle in self._hook_handles:
             handle.remove()
         for store in (self.model_store, self.rank_store):

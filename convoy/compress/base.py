@@ -132,6 +132,10 @@ class Memory(ABC):
     # The kinds of :meth:`kept` whose tensors are replaced by new ones every step, never
     # written into: a reference to one is a snapshot (a checkpoint need not copy it).
     replaced_each_step: tuple[str, ...] = ()
+    # Set by a checkpoint that writes the residuals from memory of its own: ``place(key, like)``
+    # returns where the new residual of ``key`` (a key of :meth:`state_tensors`) goes, a tensor
+    # shaped like ``like``, or None for a new tensor. The residual is the same either way.
+    place: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None
 
     @abstractmethod
     def compensate(self, tensor: torch.Tensor, name: str,
@@ -144,6 +148,15 @@ class Memory(ABC):
     @abstractmethod
     def update(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> None:
         """Remember ``compensated - sent`` as the new residual."""
+
+    def placed(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
+        """Where :attr:`place` puts the new tensor of ``key``; None: a new tensor."""
+        return None if self.place is None else self.place(key, like)
+
+    def new_residual(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> torch.Tensor:
+        """``compensated - sent``, where :attr:`place` puts it."""
+        out = self.placed(f"residual.{name}", compensated)
+        return compensated - sent if out is None else torch.sub(compensated, sent, out=out)
 
     def forget(self, name: str) -> None:
         """Drop what is kept for ``name`` (its layout changed, e.g. DDP rebuilt its buckets)."""
@@ -194,7 +207,7 @@ class ResidualMemory(Memory):
         return tensor if residual is None else tensor + residual
 
     def update(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> None:
-        self.residuals[name] = compensated - sent
+        self.residuals[name] = self.new_residual(compensated, name, sent)
 
     def forget(self, name: str) -> None:
         self.residuals.pop(name, None)

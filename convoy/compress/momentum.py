@@ -57,7 +57,9 @@ class MomentumCorrection(Memory):
         >>> memory.update(compensated, "3", sent)
     """
 
-    replaced_each_step = ("residual",)   # the velocities are updated in place
+    # Both are new tensors every step (the velocity's decay is out of place, with the same
+    # rounding as in place): a checkpoint keeps a reference instead of copying them.
+    replaced_each_step = ("residual", "velocity")
 
     def __init__(self, momentum: float, clip_norm: float | None = None, world_size: int = 1,
                  weight_decay: float = 0.0, masking: bool = True):
@@ -77,7 +79,12 @@ class MomentumCorrection(Memory):
         if self.weight_decay and params is not None:
             gradient = gradient.add(params, alpha=self.weight_decay)   # as torch's SGD adds it
         velocity = self.velocities.get(name)
-        velocity = gradient.clone() if velocity is None else velocity.mul_(self.momentum).add_(gradient)
+        if velocity is None:
+            velocity = gradient.clone()
+        else:
+            out = self.placed(f"velocity.{name}", velocity)
+            decayed = velocity.mul(self.momentum) if out is None else torch.mul(velocity, self.momentum, out=out)
+            velocity = decayed.add_(gradient)
         self.velocities[name] = velocity
         residual = self.residuals.get(name)
         return velocity.clone() if residual is None else residual + velocity
@@ -89,7 +96,7 @@ class MomentumCorrection(Memory):
             # stale momentum, and keeping its velocity makes density 1.0 exactly
             # momentum SGD.
             self.velocities[name].masked_fill_((sent != 0) & (delayed != 0), 0.0)
-        self.residuals[name] = compensated - sent
+        self.residuals[name] = self.new_residual(compensated, name, sent)
 
     def forget(self, name: str) -> None:
         self.residuals.pop(name, None)
