@@ -550,6 +550,18 @@ BLOCKS: tuple[Block, ...] = (
           "DDP + torch's PowerSGD hook (rank 2), in each run (the ratios are its time in that run over each row's)",
           _versus_peer("time_to_accuracy_resnet18_100mbit_i18", "time_to_accuracy_resnet18_100mbit_i18b"),
           emulated=True),
+    Block("tta_vgg_fc_1gbit_peer", "Time to 95% and 97% at 1 Gbit: vgg_fc, convoy against DDP + PowerSGD",
+          ("time_to_accuracy_vgg_fc_1gbit",),
+          "python bench/time_to_accuracy.py --hosts 4 --rate 1gbit --model vgg_fc --target 0.97 --strategies "
+          "powersgd convoy-powersgd blocktopk dense",
+          "DDP + torch's PowerSGD hook (rank 2) in the same run (powersgd; the ratios are its time over each row's)",
+          _versus_peer("time_to_accuracy_vgg_fc_1gbit"), emulated=True),
+    Block("tta_resnet18_1gbit_peer", "Time to 95% and 97% at 1 Gbit: resnet18, convoy against DDP + PowerSGD",
+          ("time_to_accuracy_resnet18_1gbit",),
+          "python bench/time_to_accuracy.py --hosts 4 --rate 1gbit --model resnet18 --target 0.97 --eval-every 25 "
+          "--strategies powersgd convoy-powersgd blocktopk fp16",
+          "DDP + torch's PowerSGD hook (rank 2) in the same run (powersgd; the ratios are its time over each row's)",
+          _versus_peer("time_to_accuracy_resnet18_1gbit"), emulated=True),
     Block("tta_vgg_fc_straggler", "Time to 97%: vgg_fc, 4 hosts at 100 Mbit, one at a quarter of the others' speed",
           ("time_to_accuracy_vgg_fc_100mbit_straggler",),
           "python bench/time_to_accuracy.py --model vgg_fc --target 0.97 --cluster bench/straggler.toml "
