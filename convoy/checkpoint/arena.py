@@ -68,22 +68,24 @@ class RankArena:
             return None
         return self._view(image, spec.offset, spec.nbytes).view(like.dtype).view(like.shape)
 
-    def image_of(self, state: dict[str, torch.Tensor], step: int) -> int | None:
-        """The image holding every tensor of ``state`` that has a place in one (``sync.*``) at
-        its own offset, or None (then the state is staged as without an arena)."""
+    def hold(self, step: int) -> int | None:
+        """Keep the image ``step``'s tensors went to (None if none) from reuse until
+        :meth:`end_write`: a checkpoint of the step is about to read them, from the image or
+        staged, and a later step must not write into them first."""
         with self._lock:
             image = self._of_step.get(step)
-        if image is None or [spec.key for spec in self.slot.tensors] != list(state):
-            return None
-        base = self._bytes[image].data_ptr()
-        for key, tensor in state.items():
-            if key.startswith("sync.residual.") and tensor.data_ptr() != base + self._specs[key].offset:
-                return None
+            if image is not None:
+                self._writing[image] = True
         return image
 
-    def begin_write(self, image: int) -> None:
-        with self._lock:
-            self._writing[image] = True
+    def holds(self, image: int, state: dict[str, torch.Tensor]) -> bool:
+        """Whether ``state`` is the slot's and every residual of it lies in ``image`` at its own
+        offset: then the image, once :meth:`fill` ed, is the slot (else the state is staged)."""
+        if [spec.key for spec in self.slot.tensors] != list(state):
+            return False
+        base = self._bytes[image].data_ptr()
+        return all(tensor.data_ptr() == base + self._specs[key].offset
+                   for key, tensor in state.items() if key.startswith("sync.residual."))
 
     def fill(self, image: int, state: dict[str, torch.Tensor]) -> memoryview:
         """Copy the tensors of ``state`` not already in ``image`` to their offsets; the image's bytes."""

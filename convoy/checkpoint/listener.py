@@ -329,10 +329,11 @@ class CheckpointListener(Listener):
         start = time.perf_counter()
         state = rank_state(self.model, self.engine.sync, self._buffers, self.engine.loss_scaler)
         self._buffers = {}
-        image = arena.image_of(state, step) if arena is not None else None
-        if image is not None:
-            arena.begin_write(image)
+        # The step's image (if its tensors went to one) stays unused until the persister has read it.
+        image = None
         if arena is not None:
+            held = arena.hold(step)
+            image = None if held is None else (arena, held, arena.holds(held, state))
             arena.step_ended(step)
         group = self.engine.optimizers[0].param_groups[0]
         extra = {"forward_order": [layer.name for layer in self.engine.layers],
@@ -348,7 +349,7 @@ class CheckpointListener(Listener):
         self.stats["blocked_s"] += self._wait(lambda: self._ends_in_flight < 2)
         with self._cond:
             self._ends_in_flight += 1
-        self._queue.put(("end", step, state, extra, full, (arena, image) if image is not None else None))
+        self._queue.put(("end", step, state, extra, full, image))
         self.stats["stall_s"] += time.perf_counter() - start
 
     def _adopt(self, every: int, step: int) -> None:
@@ -425,7 +426,8 @@ class CheckpointListener(Listener):
         updates[self.model_store.layout.slots[index].name] = update   # None: the step skipped the layer
 
     def _persist_end(self, step: int, state: dict | None, extra: dict | None, full: bool,
-                     image: tuple[RankArena, int] | None, checksums: dict, metas: dict, updates: dict) -> None:
+                     image: tuple[RankArena, int, bool] | None, checksums: dict, metas: dict,
+                     updates: dict) -> None:
         done = step + 1
         if state is None:   # a step between checkpoints: only the writer's log record
             self._commit_update(done, updates, checkpoint=False)
@@ -491,7 +493,9 @@ class CheckpointListener(Listener):
         self.stats["differential"] += checkpoint
 
     def _persist_rank_state(self, done: int, epoch: int, position: int, state: dict,
-                            image: tuple[RankArena, int] | None = None) -> None:
+                            image: tuple[RankArena, int, bool] | None = None) -> None:
+        """Write this rank's file; ``image``: the arena, the image the step's residuals went to,
+        and whether they all did (then the image is written as it is)."""
         cpu = time.thread_time()
         # The residuals are rewritten whole every step: a CRC-32 of them would cost more than
         # writing them. The commit protocol already vouches that a committed area is complete.
@@ -505,8 +509,8 @@ class CheckpointListener(Listener):
         generation = self._rank_gen + 1
         area = generation % AREAS
         self.rank_store.invalidate(area)
-        if image is not None and image[0] is self._arena:
-            arena, index = image
+        if image is not None and image[2] and image[0] is self._arena:
+            arena, index, _ = image
             checksum = self.rank_store.write_image(area, 0, arena.fill(index, state), generation)
         else:
             checksum = self.rank_store.write_tensors(area, 0, [state[spec.key] for spec in layout.slots[0].tensors],

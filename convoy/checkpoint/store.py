@@ -151,8 +151,9 @@ class Store:
         of the step is written.
 
         Where the file is checked by page sums (a rank file) and takes ``O_DIRECT``
-        writes (ext4, xfs: not tmpfs, not DAX), the slot is copied into a page-aligned staging buffer that stays in memory,
-        checked there, and written with one ``O_DIRECT`` write: the
+        writes (ext4, xfs: not tmpfs, not DAX), the slot is copied into a page-aligned
+        staging buffer that stays in memory, checked there, and written with one
+        ``O_DIRECT`` write (:meth:`write_image` writes memory that already is the slot): the
         bytes go to the disk without a second copy into the page cache, without
         faulting in page-cache pages (costly on a new file), and without dirty
         pages for the kernel to write back. Elsewhere the slot is written straight

@@ -53,8 +53,8 @@ def test_a_slot_written_from_an_image_is_the_slot_written_from_the_tensors(tmp_p
         memory.update(compensated, str(i), sent)
         placed[f"sync.residual.{i}"] = memory.residuals[str(i)]
         assert torch.equal(placed[f"sync.residual.{i}"], compensated - sent)
-    image = arena.image_of(placed, 0)
-    assert image is not None
+    image = arena.hold(0)
+    assert image is not None and arena.holds(image, placed)
     from_image = _stored(directory / "image.ckpt", layout,
                          lambda store: store.write_image(1, 0, arena.fill(image, placed), 1))
     staged = _stored(directory / "staged.ckpt", layout,
@@ -66,46 +66,61 @@ def _arena(like: torch.Tensor) -> RankArena:
     return RankArena(Layout("rank", [Slot("state", [TensorSpec.of("sync.residual.0", like)])]).slots[0])
 
 
+def _place(arena: RankArena, step: int, like: torch.Tensor) -> int | None:
+    """Where the residual of ``step`` goes: its address, or None for a new tensor."""
+    view = arena.place("sync.residual.0", like, step)
+    return None if view is None else view.data_ptr()
+
+
 def test_an_image_is_reused_only_when_its_residuals_are_dead_and_written():
     like = torch.zeros(1000)
     arena = _arena(like)
     memory = ResidualMemory()
     used = []
-    for step in range(3):   # steps 0-2: each its own image; step 0's is being written
+    for step in range(3):   # steps 0-2: each its own image; step 0's is checkpointed, being written
         memory.place = lambda key, like, step=step: arena.place("sync." + key, like, step)
         memory.update(like + step, "0", torch.zeros(1000))
-        state = {"sync.residual.0": memory.residuals["0"]}
-        used.append(arena.image_of(state, step))
+        used.append(memory.residuals["0"].data_ptr())
         if step == 0:
-            arena.begin_write(used[0])
+            held = arena.hold(0)
+            assert arena.holds(held, {"sync.residual.0": memory.residuals["0"]})
         arena.step_ended(step)
-    assert sorted(used) == list(range(IMAGES))
-    # Step 3: step 1's image is dead (step 2 ended) and not being written; step 0's is still written.
-    image_of_3 = arena.image_of({"sync.residual.0": arena.place("sync.residual.0", like, 3)}, 3)
-    assert image_of_3 == used[1]
-    arena.step_ended(3)
-    # Step 4: step 2's image is dead; step 0's is still being written.
-    assert arena.image_of({"sync.residual.0": arena.place("sync.residual.0", like, 4)}, 4) == used[2]
+    assert len(set(used)) == IMAGES
+    # Each later step takes the image of the step two before it (dead once the step after it
+    # ended), never step 0's while it is being written.
+    for step, expected in ((3, used[1]), (4, used[2]), (5, used[1]), (6, used[2])):
+        assert _place(arena, step, like) == expected, step
+        arena.step_ended(step)
+    arena.end_write(held)
+    assert _place(arena, 7, like) == used[0]
+
+
+def test_a_step_only_partly_in_its_image_is_staged_and_its_image_kept_until_written():
+    like = torch.zeros(10)
+    layout = Layout("rank", [Slot("state", [TensorSpec.of("sync.residual.0", like),
+                                            TensorSpec.of("sync.residual.1", like)])])
+    arena = RankArena(layout.slots[0])
+    state = {"sync.residual.0": arena.place("sync.residual.0", like, 0), "sync.residual.1": torch.ones(10)}
+    held = arena.hold(0)
+    assert held is not None and not arena.holds(held, state)
+    for step in range(1, 4):   # the other two images serve the next steps; step 0's stays held
+        assert arena.place("sync.residual.0", like, step).data_ptr() != state["sync.residual.0"].data_ptr()
+        arena.step_ended(step)
+    assert arena.place("sync.residual.0", like, 4) is not None
+    arena.end_write(held)
     arena.step_ended(4)
-    # Step 5: step 3's image is dead, step 0's still being written: step 3's is taken.
-    assert arena.image_of({"sync.residual.0": arena.place("sync.residual.0", like, 5)}, 5) == used[1]
-    arena.step_ended(5)
-    # Step 6: step 4's is dead; then step 0's write ends and it is free again.
-    assert arena.place("sync.residual.0", like, 6) is not None
-    arena.step_ended(6)
-    arena.end_write(used[0])
-    assert arena.image_of({"sync.residual.0": arena.place("sync.residual.0", like, 7)}, 7) == used[0]
+    assert arena.place("sync.residual.0", like, 5).data_ptr() == state["sync.residual.0"].data_ptr()
 
 
-def test_no_free_image_leaves_the_step_to_new_tensors_and_a_staged_write():
+def test_no_free_image_leaves_the_step_to_new_tensors():
     like = torch.zeros(10)
     arena = _arena(like)
     for step in range(IMAGES):
-        view = arena.place("sync.residual.0", like, step)
-        arena.begin_write(arena.image_of({"sync.residual.0": view}, step))
+        assert arena.place("sync.residual.0", like, step) is not None
+        assert arena.hold(step) is not None
         arena.step_ended(step)
     assert arena.place("sync.residual.0", like, IMAGES) is None
-    assert arena.image_of({"sync.residual.0": torch.zeros(10)}, IMAGES) is None
+    assert arena.hold(IMAGES) is None
     # A tensor the slot does not hold, or of another shape, is never placed.
     assert arena.place("sync.residual.9", like, IMAGES + 1) is None
     assert arena.place("sync.residual.0", torch.zeros(11), IMAGES + 1) is None
