@@ -16,7 +16,10 @@ cores its copies and checksums yield to the training threads.
 With gradient compression (``differential``) most checkpoints are
 differential: a full snapshot every ``full_every`` checkpoints, and between
 them each step's exchanged (sparse) update, appended to the snapshot's log
-(:mod:`convoy.checkpoint.difflog`); recovery replays it bit for bit.
+(:mod:`convoy.checkpoint.difflog`); recovery replays it bit for bit. Where a
+rank can rebuild its own state alone (``replay``), the rank files are written
+only with the full snapshots and a resume trains the logged steps again
+(:mod:`convoy.checkpoint.replay`).
 
 ``every="auto"`` measures a few steps without and with checkpoints, then
 checkpoints as often as keeps the measured cost within ``budget`` of a step
