@@ -43,7 +43,9 @@ def recoverable_step(directory: str | Path) -> int | None:
 
     A resume needs the model files and every rank's own file at one step, so
     a step missing from any file is not recoverable. A model file restores its
-    areas' steps and the steps its differential logs reach.
+    areas' steps and the steps its differential logs reach; a rank file serves
+    a step of a log when it holds the log's snapshot (a resume replays the
+    steps between, where the job allows it: ``session.replay_ok``).
 
     Example::
 
@@ -52,6 +54,8 @@ def recoverable_step(directory: str | Path) -> int | None:
     """
     if not any(Path(directory).glob("model-rank*.ckpt")):
         return None
+    bases: dict[int, int] = {}   # a model file's step -> the full snapshot its log extends
+    rank_steps: list[set[int]] = []
     common: set[int] | None = None
     for path in sorted(Path(directory).glob("*-rank*.ckpt")):
         try:
@@ -60,10 +64,17 @@ def recoverable_step(directory: str | Path) -> int | None:
             return None
         try:
             reports = scan(store)
-            steps = set(restore_points(path, reports) if store.layout.kind == "model" else valid_steps(reports))
+            if store.layout.kind == "model":
+                points = restore_points(path, reports)
+                bases.update({step: point.report.record.step for step, point in points.items()})
+                common = set(points) if common is None else common & set(points)
+            else:
+                rank_steps.append(set(valid_steps(reports)))
         finally:
             store.close()
-        common = steps if common is None else common & steps
+    for steps in rank_steps:
+        # A rank file written only with the full snapshots (replay) serves the steps of their logs.
+        common = {t for t in common if t in steps or bases.get(t) in steps}
     return max(common) if common else None
 
 

@@ -16,7 +16,10 @@ cores its copies and checksums yield to the training threads.
 With gradient compression (``differential``) most checkpoints are
 differential: a full snapshot every ``full_every`` checkpoints, and between
 them each step's exchanged (sparse) update, appended to the snapshot's log
-(:mod:`convoy.checkpoint.difflog`); recovery replays it bit for bit.
+(:mod:`convoy.checkpoint.difflog`); recovery replays it bit for bit. Where a
+rank can rebuild its own state alone (``replay``), the rank files are written
+only with the full snapshots and a resume trains the logged steps again
+(:mod:`convoy.checkpoint.replay`).
 
 ``every="auto"`` measures a few steps without and with checkpoints, then
 checkpoints as often as keeps the measured cost within ``budget`` of a step
@@ -148,6 +151,11 @@ class CheckpointListener(Listener):
         copy_on_write: write layers from the live tensors, the next update waiting for
             the persister (True), or from copies taken on the auxiliary thread (False:
             for strategies that change parameters outside the optimizer).
+        replay: write the rank files only with the full snapshots (differential
+            checkpoints whose rank state a resume rebuilds by replaying the logged
+            steps: :mod:`convoy.checkpoint.replay`).
+        quiet_until: the steps before this one are a resume's replay of steps the
+            files already hold: nothing is written for them.
 
     Example::
 
@@ -162,7 +170,8 @@ class CheckpointListener(Listener):
                  model_store: Store | None, model_generation: int = 0, rank_generation: int = 0,
                  rank_store: Store | None = None, peer_timeout_s: float = 300.0,
                  full_names: dict[str, str] | None = None, budget: float = DEFAULT_BUDGET,
-                 full_every: int = 0, copy_on_write: bool = True, other_writers: list[int] = ()):
+                 full_every: int = 0, copy_on_write: bool = True, other_writers: list[int] = (),
+                 replay: bool = False, quiet_until: int = 0):
         if every != "auto" and (not isinstance(every, int) or every < 1):
             raise ValueError(f"every must be an integer >= 1 or 'auto', got {every!r}")
         if not 0.0 < budget < 1.0:
@@ -182,6 +191,8 @@ class CheckpointListener(Listener):
         self._timeout = peer_timeout_s
         self._full_names = full_names
         self.full_every, self.copy_on_write = full_every, copy_on_write
+        self.replay = replay and full_every > 0
+        self._replay_from, self._quiet_until = engine.step, quiet_until
         layout: Layout | None = model_store.layout if model_store is not None else None
         self._slot_of = {s.name: i for i, s in enumerate(layout.slots)} if layout else {}
         self._held = [False] * len(self._slot_of)          # slot being read by the persister
@@ -209,7 +220,7 @@ class CheckpointListener(Listener):
         self.stats = {"stall_s": 0.0, "blocked_s": 0.0, "path_cpu_s": 0.0, "persist_s": 0.0,
                       "persist_cpu_s": 0.0, "state_cpu_s": 0.0, "log_cpu_s": 0.0, "bytes_written": 0,
                       "commits": 0, "full": 0, "differential": 0}
-        self._auto = _AutoFrequency(engine.step, budget) if every == "auto" else None
+        self._auto = _AutoFrequency(max(engine.step, quiet_until), budget) if every == "auto" else None
         self.every = 1 if every == "auto" else every
         self._every_from = 0
         if self._auto is not None and dist.is_initialized() and dist.get_world_size() > 1:
@@ -224,6 +235,11 @@ class CheckpointListener(Listener):
             return self._auto.probing_with_checkpoints(step)
         return (step + 1 - self._every_from) % self.every == 0
 
+    def writes_rank_state(self) -> bool:
+        """Whether this rank's file is written at its next checkpoint: at every one, or (replay)
+        only with the full snapshots."""
+        return not self.replay or self._full_due
+
     # ------------------------------------------------ engine's auxiliary thread
     def logs_update(self, step: int) -> bool:
         """Whether the writer appends ``step``'s update to the log: every step after a full
@@ -232,6 +248,8 @@ class CheckpointListener(Listener):
                     and not (self._full_due and self.due(step)))
 
     def on_layer_updated(self, layer: Any, step: int) -> None:
+        if step < self._quiet_until:
+            return   # a resume replaying steps the files already hold
         if not self._hooked:
             self._hook_optimizers()
         due, logged = self.due(step), self.logs_update(step)
@@ -239,7 +257,7 @@ class CheckpointListener(Listener):
             return
         start, cpu = time.perf_counter(), time.thread_time()
         self._raise_if_failed()
-        if due:
+        if due and self.writes_rank_state():
             for name, buf in module_buffers(layer.name, layer.module):
                 self._buffers[name] = buf.detach().clone()
         if self.model_store is not None:
@@ -312,6 +330,10 @@ class CheckpointListener(Listener):
 
     def _step_end(self, step: int) -> None:
         self._step = step + 1
+        if step < self._quiet_until:
+            if step == self._quiet_until - 1:
+                self._replay_ended()
+            return
         if self._auto is not None and not self._auto.decided:
             self._auto.observe(step, self.stats)
             if self._auto.decided_at(step):
@@ -321,37 +343,49 @@ class CheckpointListener(Listener):
             if arena is not None:
                 arena.step_ended(step)
             if self.logs_update(step):   # the writer's log record of a step between checkpoints
-                self.stats["blocked_s"] += self._wait(lambda: self._ends_in_flight < 2)
-                with self._cond:
-                    self._ends_in_flight += 1
-                self._queue.put(("end", step, None, None, False, None))
+                self._queue_end(step, False, None, None, False, None)
             return
         start = time.perf_counter()
-        state = rank_state(self.model, self.engine.sync, self._buffers, self.engine.loss_scaler)
-        self._buffers = {}
-        # The step's image (if its tensors went to one) stays unused until the persister has read it.
-        image = None
+        with_state, full = self.writes_rank_state(), self._full_due
+        if self.full_every:   # every rank follows the schedule: replay writes rank files with the full ones
+            self._since_full = 0 if full else self._since_full + 1
+            self._full_due = self._since_full + 1 >= self.full_every
+            self._based = True
+        state = image = None
+        if with_state:
+            state = rank_state(self.model, self.engine.sync, self._buffers, self.engine.loss_scaler)
+            self._buffers = {}
+            # The step's image (if its tensors went to one) stays unused until the persister has read it.
+            if arena is not None:
+                held = arena.hold(step)
+                image = None if held is None else (arena, held, arena.holds(held, state))
         if arena is not None:
-            held = arena.hold(step)
-            image = None if held is None else (arena, held, arena.holds(held, state))
             arena.step_ended(step)
+        if self.model_store is None and state is None:
+            return   # a differential checkpoint with replay: the writer's log record is all of it
         group = self.engine.optimizers[0].param_groups[0]
         extra = {"forward_order": [layer.name for layer in self.engine.layers],
                  "hyper": {k: v for k, v in group.items() if k != "params" and _jsonable(v)}}
         if self._full_names is not None:
             extra["full_names"] = self._full_names
-        full = self._full_due
-        if self.model_store is not None and self.full_every:
-            self._since_full = 0 if full else self._since_full + 1
-            self._full_due = self._since_full + 1 >= self.full_every
-            self._based = True
+        self._queue_end(step, True, state, extra, full, image)
+        self.stats["stall_s"] += time.perf_counter() - start
+
+    def _queue_end(self, step: int, checkpoint: bool, state: dict | None, extra: dict | None, full: bool,
+                   image: tuple[RankArena, int, bool] | None) -> None:
         # At most two steps' rank state in flight: bounded memory on every rank.
         self.stats["blocked_s"] += self._wait(lambda: self._ends_in_flight < 2)
         with self._cond:
             self._ends_in_flight += 1
-        self._queue.put(("end", step, state, extra, full, image))
-        self.stats["stall_s"] += time.perf_counter() - start
+        self._queue.put(("end", step, checkpoint, state, extra, full, image))
 
+    def _replay_ended(self) -> None:
+        """The resume's replay is over: the exchanges go over the network again."""
+        self.engine.sync.replay = None
+        if self.rank == 0:
+            print(f"convoy: checkpoint: resumed from the full snapshot at step {self._replay_from}, replayed "
+                  f"{self._quiet_until - self._replay_from} steps to step {self._quiet_until}",
+                  file=sys.stderr, flush=True)
     def _adopt(self, every: int, step: int) -> None:
         self.every, self._every_from = every, step + 1
         if self.rank == 0:
@@ -425,17 +459,31 @@ class CheckpointListener(Listener):
     def _keep_update(self, step: int, index: int, update: difflog.BucketUpdate | None, updates: dict) -> None:
         updates[self.model_store.layout.slots[index].name] = update   # None: the step skipped the layer
 
-    def _persist_end(self, step: int, state: dict | None, extra: dict | None, full: bool,
+    def _persist_end(self, step: int, checkpoint: bool, state: dict | None, extra: dict | None, full: bool,
                      image: tuple[RankArena, int, bool] | None, checksums: dict, metas: dict,
                      updates: dict) -> None:
         done = step + 1
-        if state is None:   # a step between checkpoints: only the writer's log record
+        if not checkpoint:   # a step between checkpoints: only the writer's log record
             self._commit_update(done, updates, checkpoint=False)
-            with self._cond:
-                self._ends_in_flight -= 1
-                self._cond.notify_all()
-            return
-        epoch, position = divmod(done, self.steps_per_epoch)
+        else:
+            epoch, position = divmod(done, self.steps_per_epoch)
+            if state is not None:
+                self._persist_own_file(done, epoch, position, state, image)
+            if self.model_store is not None:
+                if state is not None:   # with replay, rank files are written with the full snapshots only
+                    for peer in self.local_ranks:
+                        if peer != self.rank:
+                            self._await_peer(rank_file(self.directory, peer), done)
+                if full:
+                    self._commit_full(done, epoch, position, extra, checksums, metas)
+                else:
+                    self._commit_update(done, updates)
+        with self._cond:
+            self._ends_in_flight -= 1
+            self._cond.notify_all()
+
+    def _persist_own_file(self, done: int, epoch: int, position: int, state: dict,
+                          image: tuple[RankArena, int, bool] | None) -> None:
         if self.rank != self.writer_rank:
             # Never let this file get two checkpoints ahead of the model file.
             self._await_peer(model_file(self.directory, self.writer_rank), self._last_rank_step)
@@ -448,17 +496,6 @@ class CheckpointListener(Listener):
         finally:
             if image is not None:
                 image[0].end_write(image[1])
-        if self.model_store is not None:
-            for peer in self.local_ranks:
-                if peer != self.rank:
-                    self._await_peer(rank_file(self.directory, peer), done)
-            if full:
-                self._commit_full(done, epoch, position, extra, checksums, metas)
-            else:
-                self._commit_update(done, updates)
-        with self._cond:
-            self._ends_in_flight -= 1
-            self._cond.notify_all()
 
     def _commit_full(self, done: int, epoch: int, position: int, extra: dict, checksums: dict,
                      metas: dict) -> None:

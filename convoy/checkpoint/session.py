@@ -29,6 +29,7 @@ from convoy.checkpoint.listener import DEFAULT_BUDGET, DEFAULT_FULL_EVERY, Check
 from convoy.checkpoint.recovery import (AreaReport, RestorePoint, ensure_verified, fallback_notes, read_updates,
                                        replay_updates, restore_model, restore_points, restore_rank, scan,
                                        valid_steps)
+from convoy.checkpoint.replay import ReplayFeed
 from convoy.checkpoint.snapshot import model_layout, rank_layout, rank_state
 from convoy.checkpoint.store import AREAS, Store
 from convoy.compress import FP16Compressor, IdentityCompressor
@@ -55,12 +56,23 @@ class CheckpointSettings:
 
 @dataclass
 class ResumePoint:
-    """Where training goes on: steps done, the epoch and the batch within it."""
+    """Where training goes on: steps done, the epoch and the batch within it.
+
+    ``replay_to``: the steps from ``step`` up to this one are replayed (the
+    sync strategy takes their averaged gradients from the checkpoint's log and
+    the checkpoints stay quiet), so the training loop simply starts at ``step``.
+    """
 
     step: int = 0
     epoch: int = 0
     position: int = 0
     notes: list[str] = field(default_factory=list)
+    replay_to: int | None = None
+
+    @property
+    def reached(self) -> int:
+        """The newest step the checkpoint holds: where training is once the replay is over."""
+        return self.step if self.replay_to is None else self.replay_to
 
 
 @dataclass
@@ -160,23 +172,32 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
     if settings.resume is not False:
         model_reports = _open_reports(mpath, layout.signature(), layout)
         rank_reports = _open_reports(rpath, None, None)
+    replay = replay_ok(engine, full_names)
     points = restore_points(mpath, model_reports or [])
-    steps = sorted(set(points) & set(valid_steps(rank_reports or [])))
+    rank_steps = valid_steps(rank_reports or [])
+    steps = sorted(set(points) & set(rank_steps))
+    # With replay a rank's file need only hold the snapshot a log record extends.
+    replayable = sorted(t for t, p in points.items() if replay and p.updates and p.report.record.step in rank_steps)
     # Files whose areas are all empty (killed before the first commit) are no checkpoint;
     # any committed area, of the model file or of a rank's own file, is the user's data.
     found = any(not r.empty for r in (model_reports or []) + (rank_reports or []))
-    everyone = _gather((found, steps, writer), world)
+    everyone = _gather((found, steps, replayable, writer), world)
     start = ResumePoint()
-    if any(found for found, _, _ in everyone):
-        common = set.intersection(*(set(s) for _, s, _ in everyone))
-        if not common:
+    if any(found for found, _, _, _ in everyone):
+        common = set.intersection(*(set(s) for _, s, _, _ in everyone))
+        common_replay = set.intersection(*(set(r) for _, _, r, _ in everyone))
+        if not common and not common_replay:
             described = "; ".join([f"{p.name}: {r.describe()}" for p, reports in ((mpath, model_reports),
                                    (rpath, rank_reports)) for r in reports or []]
                                   + [f"{p.name} is missing" for p in (mpath, rpath) if not p.exists()])
             raise UsageError(f"no usable checkpoint in {directory}: {described or 'another rank lacks it'}; nothing "
                              "was overwritten (move the directory away, or pass --no-resume to start over)")
-        start = _restore(points[max(common)], model_reports, rank_reports, mpath, rpath, model, engine,
-                         optimizer_class, optimizer_kwargs, steps_per_epoch)
+        if max(common_replay, default=-1) > max(common, default=-1):
+            start = _restore_for_replay(points[max(common_replay)], model_reports, rank_reports, mpath, rpath,
+                                        model, engine)
+        else:
+            start = _restore(points[max(common)], model_reports, rank_reports, mpath, rpath, model, engine,
+                             optimizer_class, optimizer_kwargs, steps_per_epoch)
     elif settings.resume:
         raise UsageError(f"--resume: {directory} holds no checkpoint")
     need = AREAS * _rank_file_bytes(model, engine.sync) * (len(peers) if rank == writer else 1)
@@ -190,11 +211,12 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
     listener = CheckpointListener(directory, model, engine, every=settings.every, last_step=total_steps - 1,
                                   steps_per_epoch=steps_per_epoch, rank=rank, writer_rank=writer,
                                   local_ranks=peers, model_store=model_store, full_names=full_names,
-                                  other_writers=_other_writers_here(writer, [w for _, _, w in everyone]),
+                                  other_writers=_other_writers_here(writer, [w for _, _, _, w in everyone]),
                                   model_generation=model_gen, rank_generation=rank_gen, rank_store=rank_store,
                                   peer_timeout_s=settings.timeout_s, budget=settings.budget,
                                   full_every=settings.full_every if differential_ok(engine.sync) else 0,
-                                  copy_on_write=type(engine.sync) is AllReduce)
+                                  copy_on_write=type(engine.sync) is AllReduce, replay=replay,
+                                  quiet_until=start.reached)
     engine.listeners.append(listener)
     return CheckpointSession(listener, start)
 
@@ -204,6 +226,21 @@ def differential_ok(sync: Any) -> bool:
     a sparse compressor made small: then differential checkpoints pay and replay exactly."""
     compressor = getattr(sync, "compressor", None)
     return type(sync) is AllReduce and not isinstance(compressor, (IdentityCompressor, FP16Compressor))
+
+
+def replay_ok(engine: Any, full_names: dict[str, str] | None = None) -> bool:
+    """Whether a resume can rebuild the rank files' state between full snapshots by replaying the
+    logged steps, so that they need be written only with the full snapshots.
+
+    It needs differential checkpoints (the log of each step's averaged gradient), a compressor
+    whose memory update reads nothing of the other ranks (``Compressor.local``: not PowerSGD,
+    not global block selection), no whole-step gate (clipping, fp16 loss scaling: a step's
+    update then depends on every layer's exchange) and the whole model on this rank (data
+    parallelism: a replayed forward needs no peer's activations).
+    """
+    sync = engine.sync
+    return (differential_ok(sync) and getattr(sync.compressor, "local", False)
+            and getattr(engine, "gate", None) is None and full_names is None)
 
 
 def _restore(point: RestorePoint, model_reports: list[AreaReport], rank_reports: list[AreaReport], mpath: Path,
@@ -241,6 +278,39 @@ def _restore(point: RestorePoint, model_reports: list[AreaReport], rank_reports:
     return ResumePoint(step, epoch, position, notes)
 
 
+def _restore_for_replay(point: RestorePoint, model_reports: list[AreaReport], rank_reports: list[AreaReport],
+                        mpath: Path, rpath: Path, model: nn.Module, engine: Any) -> ResumePoint:
+    """Restore the full snapshot ``point`` extends, model and rank files, and have the sync strategy
+    replay the log's steps after it: the training loop then runs them again from the snapshot."""
+    snapshot = point.report
+    base = snapshot.record.step
+    chosen_rank = valid_steps(rank_reports)[base]
+    store = Store.open(mpath)
+    try:
+        _verified(store, snapshot)
+        engine.load_optimizer_state(restore_model(store, snapshot.area, model))
+    finally:
+        store.close()
+    try:
+        feed = ReplayFeed(read_updates(mpath, point))
+    except FormatError as exc:
+        raise UsageError(f"{mpath}: step {point.step}, the newest step every rank can replay to, cannot be "
+                         f"replayed ({exc}); nothing was overwritten") from None
+    store = Store.open(rpath)
+    try:
+        _verified(store, chosen_rank)
+        restore_rank(store, chosen_rank.area, model, engine.sync, engine.loss_scaler)
+    finally:
+        store.close()
+    engine.set_step(base)
+    engine.sync.replay = feed
+    record = snapshot.record
+    notes = fallback_notes(str(mpath), model_reports, snapshot) + fallback_notes(str(rpath), rank_reports, chosen_rank)
+    notes.append(f"resuming from {mpath.parent}: the full snapshot at step {base} (epoch {record.epoch}, batch "
+                 f"{record.position}), then {point.step - base} steps replayed from its log to step {point.step}")
+    return ResumePoint(base, record.epoch, record.position, notes, replay_to=point.step)
+
+
 def _verified(store: Store, report: AreaReport) -> None:
     try:
         ensure_verified(store, report)
@@ -263,11 +333,12 @@ def _open_for_writing(start: ResumePoint, layout: Layout, mpath: Path, rpath: Pa
             return (Store.create(mpath, layout) if is_writer else None), None, 0, 0
         except OSError as exc:
             raise UsageError(f"cannot create checkpoint {mpath}: {exc.strerror}") from None
-    base = points[start.step].report.record
-    model_store = _reopen(mpath, model_reports, start.step) if is_writer else None
-    if is_writer and log_path(mpath, points[start.step].report.area).exists():
-        DiffLog.reopen(log_path(mpath, points[start.step].report.area), base.generation, base.step,
-                       start.step).close()
+    reached = start.reached   # the model file's step; the rank files' is start.step (a replay's snapshot)
+    base = points[reached].report.record
+    model_store = _reopen(mpath, model_reports, reached) if is_writer else None
+    if is_writer and log_path(mpath, points[reached].report.area).exists():
+        DiffLog.reopen(log_path(mpath, points[reached].report.area), base.generation, base.step,
+                       reached).close()
     rank_store = _reopen(rpath, rank_reports, start.step)
     return (model_store, rank_store, base.generation, valid_steps(rank_reports)[start.step].record.generation)
 

@@ -65,6 +65,10 @@ class Compressor(ABC):
     # The share of a layer a sparse compressor sends (None: dense, or a fixed count);
     # a warm-up ramps the density down to it.
     density: float | None = None
+    # Whether compress reads nothing of the other ranks (no ``info.agree``, no rounds, no warm
+    # start from a summed payload): the error-feedback memory's update then depends on this
+    # rank's gradient alone, so a resume can rebuild it by replaying the steps locally.
+    local: bool = False
 
     @abstractmethod
     def compress(self, tensor: torch.Tensor, name: str,

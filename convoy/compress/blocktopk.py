@@ -70,6 +70,7 @@ class BlockTopKCompressor(Compressor):
         self.metric, self.selection = metric, selection
         # Globally chosen blocks are the same on every rank: their values add up.
         self.summable = selection == "global"
+        self.local = selection == "local"   # global selection agrees on block scores
         self._layouts: dict[tuple, BlockLayout] = {}
 
     def layout(self, tensor: torch.Tensor, info: LayerInfo | None) -> BlockLayout:

@@ -29,6 +29,7 @@ class RandomKCompressor(Compressor):
     """
 
     summable = True
+    local = True   # the selection is seeded by the step: every rank draws it alone
 
     def __init__(self, fraction: float = 0.01, seed: int = 0):
         kept_count(1, fraction)

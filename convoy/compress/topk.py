@@ -37,6 +37,7 @@ class TopKCompressor(Compressor):
     """
 
     summable = False
+    local = True
 
     def __init__(self, fraction: float = 0.01):
         kept_count(1, fraction)

@@ -84,6 +84,10 @@ class AllReduce(SyncStrategy):
         self._dense = IdentityCompressor()
         self._exchanges: dict[int, int] = {}  # bucket index -> steps exchanged
         self._first_step = 0
+        # Set by a resume that rebuilds error feedback by replaying logged steps:
+        # ``replay(step, layer names)`` is the bucket's averaged gradient of ``step`` as the
+        # checkpoint's log recorded it, or None for a step it does not replay (exchanged as usual).
+        self.replay: Callable[[int, tuple[str, ...]], torch.Tensor | None] | None = None
 
     def set_step(self, step: int) -> None:
         """Count steps from ``step`` (resuming): warm-up covers steps ``< warmup_steps`` of the job."""
@@ -107,17 +111,19 @@ class AllReduce(SyncStrategy):
     def start(self, bucket: Any, grad: torch.Tensor) -> PendingSync:
         params = (torch.cat([p.detach().reshape(-1) for p in bucket.params])
                   if self.memory.needs_params else None)
-        return self.start_flat(bucket.index, tuple(p.shape for p in bucket.params), grad, params)
+        layers = tuple(layer.name for layer in bucket.layers) if self.replay is not None else None
+        return self.start_flat(bucket.index, tuple(p.shape for p in bucket.params), grad, params, layers)
 
     def start_flat(self, index: int, shapes: tuple[torch.Size, ...], grad: torch.Tensor,
-                   params: torch.Tensor | None = None) -> PendingSync:
+                   params: torch.Tensor | None = None, layers: tuple[str, ...] | None = None) -> PendingSync:
         """Begin exchanging ``grad``, the concatenated gradients of parameters of ``shapes``.
 
         ``index`` names the bucket, the same on every rank (error feedback and
         warm-up are kept per index); callers that have no engine ``Bucket``
         (a DDP comm hook) use this entry. ``params`` are the bucket's flat
         parameters, needed only when the error memory asks for them
-        (momentum correction adds weight decay).
+        (momentum correction adds weight decay). ``layers`` names the bucket's
+        layers for :attr:`replay`.
         """
         step = self._exchanges.get(index, self._first_step)
         self._exchanges[index] = step + 1
@@ -133,6 +139,11 @@ class AllReduce(SyncStrategy):
         while compressor.more_rounds(ctx):   # PowerSGD's P: summed now, the last round below
             payload, ctx = compressor.next_round([self._agree(t) for t in payload], ctx)
         self.memory.update(compensated, name, compressor.decompress(payload, ctx))
+        logged = self.replay(step, layers) if self.replay is not None and layers is not None else None
+        if logged is not None:
+            # A resume replaying a logged step: the memory moved on as in training; the
+            # average the ranks computed then is in the log, so nothing crosses the network.
+            return Done(logged)
         return self._exchange(compressor, payload, ctx)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:

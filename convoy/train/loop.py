@@ -119,7 +119,7 @@ def _commit_and_stop(summary: RunSummary, session: CheckpointSession | None) -> 
     """Commit a checkpoint of the last step every rank finished, wait for every rank, raise JobStopped."""
     stopped = summary.stopped
     if session is not None:
-        if summary.steps > session.start.step:   # else the resumed checkpoint is that step
+        if summary.steps > session.start.reached:   # else the resumed checkpoint holds that step
             session.listener.commit_now(summary.steps - 1)
         session.listener.close()
     if dist.is_initialized():

@@ -46,7 +46,9 @@ def build_job(compress: str = "none"):
     y = torch.randint(0, 10, (SAMPLES,), generator=generator)
     torch.manual_seed(0)
     model = lenet()
-    compressor, memory = build_compressor(compress)
+    # "blocktopk-global": blocks chosen on summed scores (a memory update that reads the peers').
+    name, _, selection = compress.partition("-")
+    compressor, memory = build_compressor(name, block_selection=selection or "local")
     return model, Engine(model, torch.optim.SGD, AllReduce(None, compressor, memory), **HYPER), x, y
 
 

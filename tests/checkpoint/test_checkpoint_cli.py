@@ -191,3 +191,40 @@ def test_a_torchrun_restart_resumes_from_the_last_commit_by_itself(resumed_run, 
     assert (tmp_path / "crashed").exists()
     assert "resumed from" in result.stderr
     _same_models(whole, tmp_path / "restarted")
+
+
+# blocktopk (local selection) with momentum correction: residuals and velocities, rebuilt by replay.
+SPARSE_JOB = (*JOB[:JOB.index("--compress")], "--compress", "blocktopk", *JOB[JOB.index("--compress") + 2:],
+              "--checkpoint-full-every", "7")
+
+
+@pytest.mark.timeout(600)
+def test_two_workers_resume_by_replay_and_match_an_uninterrupted_run_residuals_included(tmp_path):
+    """Full snapshots after steps 1 and 8 (every 7 checkpoints): a run stopped after step 7 leaves
+    its rank files at step 1, and the resume replays steps 2-7 on the log's averages. Both runs'
+    rank files then hold step 8 (the resumed run's first checkpoint is a full one) and must agree
+    bit for bit, residuals, velocities and RNG of both ranks included, as must the final models."""
+    from convoy.checkpoint.recovery import rank_file_tensors
+
+    whole = convoy_in_process("train", *SPARSE_JOB, "--steps", "12", "--checkpoint-dir", str(tmp_path / "w"),
+                              "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    first = convoy_in_process("train", *SPARSE_JOB, "--steps", "7", "--checkpoint-dir", str(tmp_path / "r"),
+                              "--out", str(tmp_path / "a"))
+    assert first.returncode == 0, first.stderr
+    assert rank_file_tensors(tmp_path / "r" / "state-rank1.ckpt", "sync", 7) == {}   # only the snapshot's step
+    second = convoy_in_process("train", *SPARSE_JOB, "--steps", "12", "--checkpoint-dir", str(tmp_path / "r"),
+                               "--out", str(tmp_path / "b"))
+    assert second.returncode == 0, second.stderr
+    assert "resumed from the full snapshot at step 1, replayed 6 steps to step 7" in second.stderr
+    for rank in (0, 1):
+        kept = {kind: [rank_file_tensors(tmp_path / d / f"state-rank{rank}.ckpt", kind, 8) for d in ("w", "r")]
+                for kind in ("sync", "rng")}   # the default model has no buffers
+        assert any(key.startswith("velocity.") for key in kept["sync"][0])
+        for kind, (mine, theirs) in kept.items():
+            assert mine and mine.keys() == theirs.keys(), kind
+            for key in mine:
+                assert torch.equal(mine[key], theirs[key]), f"rank {rank}: {kind}.{key}"
+    x, y = torch.load(tmp_path / "whole" / "model.pt"), torch.load(tmp_path / "b" / "model.pt")
+    for key in x["model"]:
+        assert torch.equal(x["model"][key], y["model"][key]), key

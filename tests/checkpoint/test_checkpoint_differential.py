@@ -6,8 +6,10 @@ averaged sparse update in between. Every trial kills a run inside a log
 record's write, inside a layer of a full snapshot, or at a random time; then
 the newest step every file holds is restored the way a resume does (snapshot
 plus replayed records) and must equal, bit for bit, an uninterrupted run's
-parameters, momentum buffers and residuals after that step. The next trial
-resumes from the same directory.
+parameters and momentum buffers after that step, and its residuals after the
+full snapshot the log extends (blocktopk with local selection: the rank files
+are written only with the full snapshots, and a resume replays the steps
+since). The next trial resumes from the same directory.
 """
 from __future__ import annotations
 
@@ -39,7 +41,9 @@ def trace():
 
 
 def recovered(directory: Path):
-    """(step, state by trace key, newest full generation) that a resume restores; None before any commit."""
+    """(step, state by trace key, newest full generation, records replayed, the rank file's step)
+    that a resume restores; None before any commit. The state's ``sync:`` entries are the rank
+    file's, of the step it holds: the one resumed or (replay) the snapshot the log extends."""
     model_path, rank_path = directory / "model-rank0.ckpt", directory / "state-rank0.ckpt"
     if not model_path.exists():
         return None
@@ -52,7 +56,8 @@ def recovered(directory: Path):
         try:
             rank_reports = valid_steps(scan(rank_store))
             points = restore_points(model_path, reports)
-            step = max(set(points) & set(rank_reports))
+            step = max(t for t, p in points.items() if t in rank_reports or p.report.record.step in rank_reports)
+            rank_step = step if step in rank_reports else points[step].report.record.step
             torch.manual_seed(0)
             model = lenet()
             states = restore_model(store, points[step].report.area, model)
@@ -61,13 +66,13 @@ def recovered(directory: Path):
             out = {f"param:{k}": v.detach().clone() for k, v in model.named_parameters()}
             for layer, state in states.items():
                 out.update({f"momentum:{layer}.{i}": s["momentum_buffer"] for i, s in state.items()})
-            rank = rank_store.tensors(rank_reports[step].area, 0)
+            rank = rank_store.tensors(rank_reports[rank_step].area, 0)
             out.update({f"sync:{k[len('sync.'):]}": v.clone() for k, v in rank.items() if k.startswith("sync.")})
             del rank
         finally:
             rank_store.close()
         newest = max(r.record.generation for r in reports if r.valid)
-        return step, out, newest, len(points[step].updates)
+        return step, out, newest, len(points[step].updates), rank_step
     finally:
         store.close()
 
@@ -133,8 +138,11 @@ def test_sigkill_with_differential_checkpoints_recovers_a_bit_identical_step(tmp
                 (tmp_path / "server.err").read_text()
             after = recovered(directory)
             if after is not None:
-                step, state, _, replays = after
+                step, state, _, replays, rank_step = after
+                assert rank_step == step - replays, "a rank file was written between full snapshots"
                 for key, tensor in trace[step].items():
+                    if key.startswith("sync:"):   # the rank file holds the snapshot's step
+                        tensor = trace[rank_step][key]
                     assert torch.equal(state[key], tensor), f"step {step}: {key} differs from the uninterrupted run"
                 assert step >= committed, "a kill lost an already committed step"
                 replayed += replays > 0
@@ -149,24 +157,106 @@ def test_sigkill_with_differential_checkpoints_recovers_a_bit_identical_step(tmp
     assert any(log_path(tmp_path / f"chain{c}" / "model-rank0.ckpt", 0).exists() for c in range(1, chain + 1))
 
 
-def _train_with_checkpoints(directory: Path, start_expected: int | None, until: int, stop: int):
-    model, engine, x, y = checkpoint_job.build_job(COMPRESS)
-    session = start_checkpointing(CheckpointSettings(str(directory), every=3, full_every=2), model, engine,
-                                  torch.optim.SGD, checkpoint_job.HYPER, total_steps=stop,
+def _train_with_checkpoints(directory: Path, until: int, stop: int, compress: str = COMPRESS, every: int = 3,
+                            full_every: int = 2):
+    model, engine, x, y = checkpoint_job.build_job(compress)
+    session = start_checkpointing(CheckpointSettings(str(directory), every=every, full_every=full_every), model,
+                                  engine, torch.optim.SGD, checkpoint_job.HYPER, total_steps=stop,
                                   steps_per_epoch=checkpoint_job.STEPS_PER_EPOCH)
-    if start_expected is not None:
-        assert session.start.step == start_expected, session.start
     checkpoint_job.train(model, engine, x, y, session.start.step, until)
     engine.close()
     session.listener.close()
     return checkpoint_job.state_of(model, engine), session
 
 
-def test_a_checkpoint_between_snapshots_replays_every_step_since_the_snapshot(tmp_path, trace):
-    """Checkpoints every 3 steps, a full one every other: the checkpoint after step 6 is the
-    snapshot after step 3 plus the updates of steps 4, 5 and 6, all replayed on resume."""
-    _train_with_checkpoints(tmp_path, None, until=7, stop=100)
-    state, session = _train_with_checkpoints(tmp_path, 6, until=12, stop=12)
-    assert "3 differential steps replayed" in session.start.notes[-1]
+def _rank_steps(directory: Path) -> dict[int, int]:
+    """The rank file's valid steps and the generation of each."""
+    store = Store.open(directory / "state-rank0.ckpt")
+    try:
+        return {step: report.record.generation for step, report in valid_steps(scan(store)).items()}
+    finally:
+        store.close()
+
+
+def test_a_resume_between_snapshots_replays_the_steps_since_the_snapshot(tmp_path, trace, capsys):
+    """Checkpoints every 3 steps, a full one every other: the rank file holds only the full
+    snapshot after step 3; the log reaches step 7 (every step after a snapshot is logged). The
+    resume restores the snapshot and trains steps 4-7 again on the log's averages."""
+    _train_with_checkpoints(tmp_path, until=7, stop=100)
+    assert _rank_steps(tmp_path) == {3: 1}, "the rank file was written between full snapshots"
+    state, session = _train_with_checkpoints(tmp_path, until=12, stop=12)
+    assert (session.start.step, session.start.replay_to) == (3, 7), session.start
+    assert "convoy: checkpoint: resumed from the full snapshot at step 3, replayed 4 steps to step 7" \
+        in capsys.readouterr().err
     for key, tensor in trace[12].items():
         assert torch.equal(state[key], tensor), key
+
+
+@pytest.mark.timeout(600)
+def test_a_job_killed_between_full_snapshots_resumes_by_replay_bit_for_bit(tmp_path, trace, capsys):
+    """SIGKILLed while writing the log record of step 8 (full snapshots after steps 1 and 5, a
+    checkpoint every step): the rank file holds steps 1 and 5 only, each written once. The resume
+    restores step 5 and replays 6 and 7; the run then ends as an uninterrupted one, parameters,
+    momentum and residuals bit for bit."""
+    server = ForkServer(tmp_path / "server.err")
+    try:
+        status = server.reap(server.run(tmp_path, STEPS, "update:8", 0.0, COMPRESS))
+    finally:
+        server.close()
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (tmp_path / "server.err").read_text()
+    assert _rank_steps(tmp_path) == {1: 1, 5: 2}, "the rank file was written between full snapshots"
+    state, session = _train_with_checkpoints(tmp_path, until=STEPS, stop=STEPS, every=1,
+                                             full_every=checkpoint_job.FULL_EVERY)
+    assert (session.start.step, session.start.replay_to) == (5, 7), session.start
+    assert "replayed 2 steps to step 7" in capsys.readouterr().err
+    for key, tensor in trace[STEPS].items():
+        assert torch.equal(state[key], tensor), key
+
+
+@pytest.mark.parametrize("compress", ["powersgd", "blocktopk-global"])
+def test_where_replay_is_not_exact_rank_files_are_written_every_checkpoint(tmp_path, compress):
+    """PowerSGD's error uses the all-reduced factors, global block selection the summed scores: a
+    rank cannot rebuild its residuals alone, so its file is written at every checkpoint and the
+    resume replays only the log's updates from the files."""
+    reference = checkpoint_job.reference_trace(12, compress)
+    _train_with_checkpoints(tmp_path, until=7, stop=100, compress=compress)
+    assert set(_rank_steps(tmp_path)) == {3, 6}
+    state, session = _train_with_checkpoints(tmp_path, until=12, stop=12, compress=compress)
+    assert (session.start.step, session.start.replay_to) == (6, None), session.start
+    assert "3 differential steps replayed" in session.start.notes[-1]   # 4, 5 and 6, from the files
+    for key, tensor in reference[12].items():
+        assert torch.equal(state[key], tensor), key
+
+
+def test_replay_is_used_only_where_every_rank_can_rebuild_its_state_alone():
+    from convoy.checkpoint.session import replay_ok
+    from convoy.engine.gradients import GradientGate
+
+    for compress, expected in [("blocktopk", True), ("topk", True), ("randomk", True), ("powersgd", False),
+                               ("blocktopk-global", False), ("fp16", False), ("none", False)]:
+        _, engine, _, _ = checkpoint_job.build_job(compress)
+        assert replay_ok(engine) is expected, compress
+        assert not replay_ok(engine, full_names={"fc.weight": "head.fc.weight"})   # a hybrid part
+    _, engine, _, _ = checkpoint_job.build_job("blocktopk")
+    engine.gate = GradientGate(1.0, None, None, 1.0)   # --clip-grad-norm: a step needs every layer's exchange
+    assert not replay_ok(engine)
+
+
+def test_a_replayed_exchange_takes_the_logged_average_and_keeps_the_memory_moving():
+    from convoy.compress import BlockTopKCompressor, ResidualMemory
+    from convoy.sync import AllReduce
+
+    torch.manual_seed(3)
+    grads = [torch.randn(4 * CHUNK) for _ in range(2)]
+    plain = AllReduce(None, BlockTopKCompressor(1), ResidualMemory())
+    replayed = AllReduce(None, BlockTopKCompressor(1), ResidualMemory())
+    logged = torch.full((4 * CHUNK,), 0.25)
+    replayed.replay = lambda step, layers: logged if (step, layers) == (0, ("fc",)) else None
+    shapes = (torch.Size([4 * CHUNK]),)
+    first = replayed.start_flat(0, shapes, grads[0].clone(), layers=("fc",)).wait()
+    assert first is logged and replayed.traffic() == (0, 0)
+    plain.start_flat(0, shapes, grads[0].clone()).wait()
+    assert torch.equal(replayed.memory.residuals["0"], plain.memory.residuals["0"])
+    # Past the replayed steps the exchange is the usual one.
+    assert torch.equal(replayed.start_flat(0, shapes, grads[1].clone(), layers=("fc",)).wait(),
+                       plain.start_flat(0, shapes, grads[1].clone()).wait())
