@@ -197,6 +197,14 @@ def _sparse_accuracy() -> str:
                    f"{r['points_below_dense']:.2f}"] for r in rows])
 
 
+def _sparse_accuracy_seeds() -> str:
+    rows = rows_of("sparse_accuracy_seeds")
+    return table(["flags (with the issue's command)", "seed", "test accuracy", "points below dense at that seed",
+                  "fewer bytes than dense"],
+                 [[f"`{r['flags']}`", str(r["seed"]), f"{r['test_accuracy_%']:.2f}%", f"{r['points_below_dense']:.2f}",
+                   times(r["ratio_to_dense"])] for r in rows])
+
+
 def _time_to_accuracy(*names: str, reference: str | None = None) -> Callable[[], str]:
     """Rows of time_to_accuracy files; ``reference`` supplies the dense row where a file has none."""
     def render() -> str:
@@ -521,6 +529,9 @@ BLOCKS: tuple[Block, ...] = (
     Block("sparse_accuracy", "Compressed against dense, vgg_fc, 2 workers, 300 steps", ("sparse_accuracy",),
           "python -m bench.sparse_accuracy", "dense all-reduce (accuracy and bytes over the whole run)",
           _sparse_accuracy),
+    Block("sparse_accuracy_seeds", "The loopback check at seeds 5-8", ("sparse_accuracy_seeds",),
+          "python -m bench.sparse_accuracy --seeds 5 6 7 8 --parallel 2",
+          "dense all-reduce at the same seed", _sparse_accuracy_seeds),
     Block("sparse_block_size", "blocktopk's block size", ("sparse_block_size",),
           "python -m bench.sparse_block_size", "dense all-reduce (accuracy and bytes)", _sparse_block_size),
     Block("tta_vgg_fc_100mbit", "Time to 97%: compressors, vgg_fc, 4 hosts at 100 Mbit",
