@@ -193,13 +193,21 @@ def _torch_recovery(path: Path, model) -> None:
 
 def worker(rank: int, world: int, name: str, batch: int, steps: int, root: str, rounds: int, compress: str,
            only: list[str] | None = None) -> dict:
-    """Every mode ``rounds`` times, round-robin, so load from other jobs spreads over all of them."""
+    """Every mode ``rounds`` times, round-robin, so load from other jobs spreads over all of them.
+
+    Each round starts one mode later in the list, so no mode always follows the same one, and
+    before each mode the previous one's dirty pages are flushed (``os.sync``): torch.save without
+    fsync leaves its writes to the kernel, which would otherwise write them back while the next
+    mode is timed.
+    """
     results: dict[str, dict] = {}
-    for _ in range(rounds):
-        for mode in modes(compress, only):
+    order = modes(compress, only)
+    for round_ in range(rounds):
+        for mode in order[round_ % len(order):] + order[:round_ % len(order)]:
             dist.barrier()
             if rank == 0:   # a fresh directory each round: no run reads another's files
                 shutil.rmtree(Path(root) / mode, ignore_errors=True)
+            os.sync()
             dist.barrier()
             out = _run_mode(rank, mode, name, batch, steps, Path(root), compress)
             merged = results.setdefault(mode, {"times": [], "cpu_s": [], "stall_s": [], "recovery_s": [],
