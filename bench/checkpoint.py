@@ -248,6 +248,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2, help="times each mode runs, round-robin")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoints are written")
+    parser.add_argument("--tag", default="", help="suffix of the result files' name (a paired run of a few modes)")
     parser.add_argument("--compress", default="none", choices=COMPRESS_NAMES,
                         help="compress the exchange (with error feedback); convoy then writes differential checkpoints")
     parser.add_argument("--modes", nargs="+", choices=MODES + ("convoy_full",),
@@ -285,6 +286,7 @@ def main() -> None:
                 "note": "2-core machine shared with other jobs: figures are noisy",
                 "load_average_1min": [load_before, os.getloadavg()[0]]}
     stem = "checkpoint" if args.compress == "none" else f"checkpoint_{args.compress}"
+    stem += f"_{args.tag}" if args.tag else ""
     save(stem, settings, rows, ["model", "mode", "median_step_s", "overhead_%", "cpu_overhead_%", "path_cpu_ms",
                                 "persist_cpu_ms", "stall_ms", "MB_per_ckpt", "MB_written_per_s", "recovery_s"])
     _plot(timelines, RESULTS / f"{stem}.png")
