@@ -515,9 +515,9 @@ BLOCKS: tuple[Block, ...] = (
           "torch.save with fsync every step, each rank's residuals included",
           _checkpoint("checkpoint_blocktopk")),
     Block("checkpoint_blocktopk_ab", "Differential checkpoints against none, paired (blocktopk)",
-          ("checkpoint_blocktopk_ab",), "python bench/checkpoint.py --models resnet18 --steps 10 --rounds 6 "
+          ("checkpoint_blocktopk_ab",), "python bench/checkpoint.py --models resnet18 --steps 10 --rounds 20 "
           "--compress blocktopk --modes none convoy --tag ab",
-          "no checkpoint, the two modes alternating six times", _checkpoint("checkpoint_blocktopk_ab")),
+          "no checkpoint, the two modes alternating twenty times", _checkpoint("checkpoint_blocktopk_ab")),
     Block("stop_flag", "What the stop signal adds to the guard's per-step flag", ("stop_flag",),
           "python bench/stop_flag.py --steps 1000 --rounds 5 --world 2",
           "the loss flag alone (before the stop signal travelled in it)", _stop_flag),
