@@ -262,12 +262,7 @@ def _restore(point: RestorePoint, model_reports: list[AreaReport], rank_reports:
                              f"replayed ({exc}); nothing was overwritten") from None
         states = replay_updates(model, optimizer_class, optimizer_kwargs, states, updates)
     engine.load_optimizer_state(states)
-    store = Store.open(rpath)
-    try:
-        _verified(store, chosen_rank)
-        restore_rank(store, chosen_rank.area, model, engine.sync, engine.loss_scaler)
-    finally:
-        store.close()
+    _restore_rank_file(rpath, chosen_rank, model, engine)
     engine.set_step(step)
     record = chosen_model.record
     notes = fallback_notes(str(mpath), model_reports, chosen_model) + \
@@ -296,12 +291,7 @@ def _restore_for_replay(point: RestorePoint, model_reports: list[AreaReport], ra
     except FormatError as exc:
         raise UsageError(f"{mpath}: step {point.step}, the newest step every rank can replay to, cannot be "
                          f"replayed ({exc}); nothing was overwritten") from None
-    store = Store.open(rpath)
-    try:
-        _verified(store, chosen_rank)
-        restore_rank(store, chosen_rank.area, model, engine.sync, engine.loss_scaler)
-    finally:
-        store.close()
+    _restore_rank_file(rpath, chosen_rank, model, engine)
     engine.set_step(base)
     engine.sync.replay = feed
     record = snapshot.record
@@ -309,6 +299,16 @@ def _restore_for_replay(point: RestorePoint, model_reports: list[AreaReport], ra
     notes.append(f"resuming from {mpath.parent}: the full snapshot at step {base} (epoch {record.epoch}, batch "
                  f"{record.position}), then {point.step - base} steps replayed from its log to step {point.step}")
     return ResumePoint(base, record.epoch, record.position, notes, replay_to=point.step)
+
+
+def _restore_rank_file(rpath: Path, report: AreaReport, model: nn.Module, engine: Any) -> None:
+    """Verify the rank file's area of ``report`` and load its buffers, RNG and sync state."""
+    store = Store.open(rpath)
+    try:
+        _verified(store, report)
+        restore_rank(store, report.area, model, engine.sync, engine.loss_scaler)
+    finally:
+        store.close()
 
 
 def _verified(store: Store, report: AreaReport) -> None:

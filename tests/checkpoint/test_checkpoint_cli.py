@@ -31,15 +31,18 @@ def _same_models(a: Path, b: Path) -> None:
 def resumed_run(tmp_path_factory):
     """An uninterrupted 12-step run, and one stopped after 7 steps then resumed to 12."""
     tmp = tmp_path_factory.mktemp("resume")
-    whole = convoy_in_process("train", *JOB, "--steps", "12", "--out", str(tmp / "whole"))
-    assert whole.returncode == 0, whole.stderr
-    first = convoy_in_process("train", *JOB, "--steps", "7", "--checkpoint-dir", str(tmp / "ckpt"),
-                              "--out", str(tmp / "a"))
-    assert first.returncode == 0, first.stderr
-    second = convoy_in_process("train", *JOB, "--steps", "12", "--checkpoint-dir", str(tmp / "ckpt"),
-                               "--out", str(tmp / "b"))
-    assert second.returncode == 0, second.stderr
-    return tmp, second
+    _train(JOB, 12, tmp / "whole")
+    _train(JOB, 7, tmp / "a", tmp / "ckpt")
+    return tmp, _train(JOB, 12, tmp / "b", tmp / "ckpt")
+
+
+def _train(job: tuple[str, ...], steps: int, out: Path, checkpoints: Path | None = None):
+    """``convoy train`` of ``job`` for ``steps`` steps into ``out`` (checkpointing into ``checkpoints``);
+    it must succeed. Returns the finished process."""
+    extra = ("--checkpoint-dir", str(checkpoints)) if checkpoints is not None else ()
+    done = convoy_in_process("train", *job, "--steps", str(steps), *extra, "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    return done
 
 
 @pytest.mark.timeout(600)
@@ -206,16 +209,10 @@ def test_two_workers_resume_by_replay_and_match_an_uninterrupted_run_residuals_i
     bit for bit, residuals, velocities and RNG of both ranks included, as must the final models."""
     from convoy.checkpoint.recovery import rank_file_tensors
 
-    whole = convoy_in_process("train", *SPARSE_JOB, "--steps", "12", "--checkpoint-dir", str(tmp_path / "w"),
-                              "--out", str(tmp_path / "whole"))
-    assert whole.returncode == 0, whole.stderr
-    first = convoy_in_process("train", *SPARSE_JOB, "--steps", "7", "--checkpoint-dir", str(tmp_path / "r"),
-                              "--out", str(tmp_path / "a"))
-    assert first.returncode == 0, first.stderr
+    _train(SPARSE_JOB, 12, tmp_path / "whole", tmp_path / "w")
+    _train(SPARSE_JOB, 7, tmp_path / "a", tmp_path / "r")
     assert rank_file_tensors(tmp_path / "r" / "state-rank1.ckpt", "sync", 7) == {}   # only the snapshot's step
-    second = convoy_in_process("train", *SPARSE_JOB, "--steps", "12", "--checkpoint-dir", str(tmp_path / "r"),
-                               "--out", str(tmp_path / "b"))
-    assert second.returncode == 0, second.stderr
+    second = _train(SPARSE_JOB, 12, tmp_path / "b", tmp_path / "r")
     assert "resumed from the full snapshot at step 1, replayed 6 steps to step 7" in second.stderr
     for rank in (0, 1):
         kept = {kind: [rank_file_tensors(tmp_path / d / f"state-rank{rank}.ckpt", kind, 8) for d in ("w", "r")]
