@@ -70,8 +70,17 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any
 
     require_timeout("starts a world of processes")
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(rank_entry, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size,
-                           join=True, start_method="forkserver")
+        context = mp.start_processes(rank_entry, args=(world_size, free_port(), out_dir, fn, args),
+                                     nprocs=world_size, join=False, start_method="forkserver")
+        try:
+            while not context.join():
+                pass
+        finally:
+            # A test timeout (or any error) interrupts the join: no worker may outlive the test.
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join()
         return [pickle.loads(Path(out_dir, f"{r}.pkl").read_bytes()) for r in range(world_size)]
 
 
