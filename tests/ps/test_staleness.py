@@ -129,7 +129,7 @@ def _load(model: nn.Module, vector: torch.Tensor) -> None:
             offset += p.numel()
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("priority", ["graph", "fifo"])
 @pytest.mark.parametrize("staleness", STALENESS)
 def test_stale_colocated_run_equals_the_fixed_delay_reference_after_10_steps(job, staleness, priority):
@@ -143,7 +143,7 @@ def test_stale_colocated_run_equals_the_fixed_delay_reference_after_10_steps(job
         assert (run["delayed"] - history[STEPS - staleness]).abs().max().item() <= 1e-5, rank
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("staleness", STALENESS)
 def test_each_shard_in_its_own_storage_holds_the_newest_parameters(job, staleness):
     for rank in range(WORLD):
@@ -151,7 +151,7 @@ def test_each_shard_in_its_own_storage_holds_the_newest_parameters(job, stalenes
         assert run["units"] > 0 and run["apart"] and run["shard_is_newest"], rank
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("staleness", STALENESS)
 def test_fast_ranks_run_s_steps_ahead_of_a_slow_one_and_never_more(job, staleness):
     slow = job[SLOW_RANK][("straggler", staleness)]
@@ -166,7 +166,7 @@ def test_fast_ranks_run_s_steps_ahead_of_a_slow_one_and_never_more(job, stalenes
         assert len(ahead) >= (STEPS - staleness - 1) // 2, (rank, ahead)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(180)
 def test_cli_trains_with_staleness_2_and_evaluates_between_steps(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)   # the run folder goes to runs/ under the current directory
     done = convoy_in_process("train", "--model", "lenet", "--batch-size", "8", "--steps", "6", "--eval-every", "3",
