@@ -192,12 +192,23 @@ class SliceScheduler:
         return run
 
     def _next(self) -> int | None:
-        """Position in the queue of the most urgent transfer whose peer has credit for it, else None."""
+        """Position in the queue of the most urgent transfer whose peer has credit for it, else None.
+
+        A slice may pass a larger one waiting for credit, but a stop mark never passes a slice of its own
+        channel: the receiver reads no header after the stream's stops (it keeps exactly ``RING`` posted),
+        so a slice sent after them would never be taken, its send and acknowledgement never complete
+        (``drain`` waits for ever) and its receiver never gets it (bounded staleness: a straggler closes
+        with its last pushes still queued, and the stops of those channels, 16 bytes each, fit the credit).
+        """
+        waiting: set[tuple[int, int]] = set()   # (peer, channel) of the slices passed over for want of credit
         for position, queued in enumerate(self._queue):
             transfer = queued.transfer
+            if transfer.slice_id == STOP and (transfer.peer, transfer.channel) in waiting:
+                continue
             in_flight = self._peer_bytes.get(transfer.route, 0)
             if self.credit_bytes is None or in_flight == 0 or in_flight + transfer.nbytes <= self.credit_bytes:
                 return position
+            waiting.add((transfer.peer, transfer.channel))
         return None
 
     def _issue_loop(self) -> None:

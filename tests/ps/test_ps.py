@@ -1,6 +1,9 @@
 """Parameter-server building blocks in one process: slicing, sharding, priorities, channels, settings."""
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -13,6 +16,7 @@ from convoy.ps import PSRoles, PSSettings
 from convoy.ps.channels import channel_map
 from convoy.ps.priority import graph_priorities, timed_priorities
 from convoy.ps.routing import build_routing
+from convoy.ps.scheduler import SliceScheduler, Transfer, stop_marks
 from convoy.ps.job import PSJob
 from convoy.ps.priority import PriorityPlan
 from convoy.ps.sharding import place_units, shard_layers, split_layers
@@ -185,6 +189,41 @@ def test_routing_orders_slices_by_layer_priority_then_position():
     channels = [routing.channel[sid] for sid in ordered]
     assert channels == sorted(channels) and set(channels) == {0, 1, 2}
     assert set(routing.owner) == {0, 1}
+
+
+# -------------------------------------------------------------- scheduler
+class _HeldSend:
+    """A send whose completion (its receiver's acknowledgement) waits for ``released``."""
+
+    def __init__(self, released: threading.Event | None):
+        self.released = released
+
+    def wait(self) -> None:
+        if self.released is not None:
+            assert self.released.wait(30)
+
+
+@pytest.mark.timeout(60)
+def test_stop_marks_never_pass_a_slice_of_their_channel_that_waits_for_credit():
+    # A straggler under bounded staleness closes with its last pushes queued behind the credit window; its
+    # channels' stop marks (16 bytes) fit the window. Sent first, they would end the receiver's stream and
+    # leave the slices behind them unread: the sender's drain and the server's step would wait for ever.
+    released = threading.Event()
+    scheduler = SliceScheduler(credit_bytes=40 * 1024, acked=True, record=True)
+    scheduler._issue = lambda transfer: [_HeldSend(released if transfer.payload is not None else None)]
+    row = torch.zeros(16 * 1024, dtype=torch.uint8)
+    scheduler.submit([Transfer(1, None, 7, slice_id, 9, row, (slice_id,)) for slice_id in range(4)])
+    deadline = time.time() + 10
+    while len(scheduler.issued) < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    scheduler.submit(stop_marks(1, None, 7) + stop_marks(1, None, 8))   # channel 8 has nothing queued
+    time.sleep(0.3)
+    assert [t.slice_id for t in scheduler.issued] == [0, 1] + [-1] * 16   # only channel 8's stops went
+    assert all(t.channel == 8 for t in scheduler.issued[2:])
+    released.set()
+    scheduler.close()
+    on_7 = [t.slice_id for t in scheduler.issued if t.channel == 7]
+    assert on_7 == [0, 1, 2, 3] + [-1] * 16
 
 
 # ---------------------------------------------------------------- settings
