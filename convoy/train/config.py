@@ -282,7 +282,8 @@ class CompressConfig:
                                         "exclusive with --block-fraction)", count=True)
     block_fraction: float | None = _opt(None, "blocktopk: fraction of each parameter's blocks kept, "
                                         "in (0, 1], at least one")
-    block_metric: str = _opt("l1", "blocktopk: norm that scores a block: l1 or l2")
+    block_metric: str = _opt("l2", "blocktopk: norm that scores a block: l1 or l2 (l2 chosen by measurement: "
+                             "vgg_fc ended nearer dense, docs/compression.md)")
     block_selection: str = _opt("local", "blocktopk: local (each rank its own blocks, all-gathered) or "
                                 "global (scores summed, the same blocks on every rank, all-reduced)")
     element_fraction: float = _opt(0.01, "topk, randomk: fraction of each layer's elements sent, in (0, 1]")
@@ -296,9 +297,10 @@ class CompressConfig:
     dense_below: int = _opt(16384, "blocktopk: parameters of fewer than N elements (biases, small layers, a "
                             "classifier head) are sent whole every step; 0: every parameter is cut")
     # PowerSGD inside the engine
-    powersgd_rank: int = _opt(2, "powersgd: R, columns of each layer's factors P and Q (an integer >= 1); a "
+    powersgd_rank: int = _opt(4, "powersgd: R, columns of each layer's factors P and Q (an integer >= 1); a "
                               "layer whose matrix has a side of R or fewer, or that factors would not shrink "
-                              "2x, is sent dense", count=True)
+                              "2x, is sent dense (4 chosen by measurement: rank 2 ended further below dense "
+                              "on vgg_fc, docs/compression.md)", count=True)
     momentum_masking: bool = _opt(False, "with momentum correction and a sparse compressor: zero the velocity "
                                   "where a value that had waited is sent (DGC's momentum factor masking; off by "
                                   "default: it slowed vgg_fc's start, docs/compression.md)")

@@ -120,7 +120,7 @@ def test_every_compression_option_is_checked_before_training(flags, expected):
 @pytest.mark.timeout(300)
 def test_train_records_the_compression_ratio_of_every_step(tmp_path):
     out = tmp_path / "run"
-    result = convoy_in_process("train", "--compress", "blocktopk", "--block-fraction", "0.02", "--block-metric", "l2",
+    result = convoy_in_process("train", "--compress", "blocktopk", "--block-fraction", "0.02", "--block-metric", "l1",
                                "--warmup-steps", "2", "--dense-below", "0", "--steps", "6", "--out", str(out),
                                "--no-progress")
     assert result.returncode == 0, result.stderr
@@ -128,4 +128,4 @@ def test_train_records_the_compression_ratio_of_every_step(tmp_path):
     ratios = [r["compression_ratio"] for r in records if r["kind"] == "step"]
     # The warm-up ramps density down from 25%: no dense step, and fewer bytes each step until its end.
     assert len(ratios) == 6 and 1.0 < ratios[0] < ratios[1] < min(ratios[2:]) and min(ratios[2:]) > 10
-    assert json.loads((out / "config.json").read_text())["compress"]["block_metric"] == "l2"
+    assert json.loads((out / "config.json").read_text())["compress"]["block_metric"] == "l1"
