@@ -23,7 +23,13 @@ import pytest
 import torch
 
 from convoy.checkpoint import CheckpointSettings, start_checkpointing
-from convoy.checkpoint.difflog import CHUNK, BucketUpdate, chunks_of, dense, log_path, pack, unpack
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from convoy.checkpoint.difflog import CHUNK, BucketUpdate, chunks_in, chunks_of, dense, log_path, pack, unpack
+from convoy.checkpoint.listener import FULL_EVERY_BOUNDS, full_interval
+from convoy.compress import LayerInfo
+from convoy.compress.blocktopk import BlockTopKCompressor
 from convoy.checkpoint.recovery import read_updates, replay_updates, restore_model, restore_points, scan, valid_steps
 from convoy.checkpoint.store import Store
 from convoy.models.lenet import lenet
@@ -98,6 +104,62 @@ def test_updates_round_trip_bit_for_bit_negative_zero_included():
         assert torch.equal(back.view(bits), source.view(bits))
 
 
+@settings(max_examples=60, deadline=None)
+@given(shapes=st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=3), min_size=1, max_size=4),
+       block_size=st.integers(1, 150), fraction=st.floats(0.01, 1.0), ranks=st.integers(1, 3),
+       selection=st.sampled_from(["local", "global"]), seed=st.integers(0, 2**16))
+def test_runs_found_from_the_exchanged_blocks_rebuild_the_average_bit_for_bit(shapes, block_size, fraction, ranks,
+                                                                              selection, seed):
+    """The log's runs taken from the blocks every rank sent (``Compressor.support``) instead of a
+    scan: the record rebuilds the summed gradient exactly, and keeps every run the scan keeps."""
+    torch.manual_seed(seed)
+    compressor = BlockTopKCompressor(fraction=fraction, selection=selection, block_size=block_size)
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    info = LayerInfo(shapes=tuple(tuple(s) for s in shapes), agree=lambda scores: scores * ranks)
+    total, spans = torch.zeros(numel), []
+    for _ in range(ranks):
+        payload, ctx = compressor.compress(torch.randn(numel), "0", info)
+        compressor.decompress_add(payload, ctx, total)
+        spans += compressor.support(payload, ctx)
+    found = chunks_in(total, spans)
+    assert torch.equal(dense(found), total)
+    scanned = chunks_of(total)
+    if scanned.run == CHUNK:   # (the scan may keep scattered elements as positions instead)
+        assert set(scanned.chunks.tolist()) <= set(found.chunks.tolist())
+
+
+@settings(max_examples=200, deadline=None)
+@given(full=st.floats(0.0, 10.0), update=st.floats(0.0, 0.1), step=st.floats(0.01, 5.0), every=st.integers(1, 50),
+       budget=st.floats(0.001, 0.5))
+def test_the_full_snapshot_interval_is_the_fewest_checkpoints_within_the_budget(full, update, step, every, budget):
+    """Within its bounds, the interval chosen is the shortest whose cost per step fits the budget."""
+    low, high = FULL_EVERY_BOUNDS
+    chosen = full_interval(full, update, step, every, budget)
+    assert low <= chosen <= high
+
+    def cost(k: int) -> float:
+        return update + full / (k * every)
+
+    if low < chosen < high:
+        assert cost(chosen) <= budget * step * (1 + 1e-9) and cost(chosen - 1) > budget * step
+    if chosen == low and update < budget * step:
+        assert cost(low) <= budget * step * (1 + 1e-9)
+
+
+def test_auto_full_snapshots_measure_then_space_the_snapshots_and_resume_bit_for_bit(tmp_path, trace, capsys):
+    """``full_every="auto"``: the first interval is the lower bound, the next one measured; a
+    resume from the log of the steps after the first snapshot is still exact."""
+    _, session = _train_with_checkpoints(tmp_path, until=15, stop=100, every=1, full_every="auto")
+    chosen = session.listener.full_every
+    assert FULL_EVERY_BOUNDS[0] <= chosen <= FULL_EVERY_BOUNDS[1]
+    assert f"convoy: checkpoint: a full snapshot every {chosen} checkpoints" in capsys.readouterr().err
+    assert _rank_steps(tmp_path) == {1: 1}, "a rank file was written between full snapshots"
+    state, session = _train_with_checkpoints(tmp_path, until=STEPS, stop=STEPS, every=1, full_every="auto")
+    assert (session.start.step, session.start.replay_to) == (1, 15), session.start
+    for key, tensor in trace[STEPS].items():
+        assert torch.equal(state[key], tensor), key
+
+
 def test_scattered_elements_are_kept_as_positions_and_round_trip():
     grad = torch.zeros(64 * CHUNK)
     grad[::CHUNK // 2] = torch.randn(2 * 64)   # every run holds two elements: positions are fewer bytes
@@ -158,7 +220,7 @@ def test_sigkill_with_differential_checkpoints_recovers_a_bit_identical_step(tmp
 
 
 def _train_with_checkpoints(directory: Path, until: int, stop: int, compress: str = COMPRESS, every: int = 3,
-                            full_every: int = 2):
+                            full_every: int | str = 2):
     model, engine, x, y = checkpoint_job.build_job(compress)
     session = start_checkpointing(CheckpointSettings(str(directory), every=every, full_every=full_every), model,
                                   engine, torch.optim.SGD, checkpoint_job.HYPER, total_steps=stop,
