@@ -203,21 +203,6 @@ def chunks_of(grad: torch.Tensor) -> Chunks:
                   flat[full * CHUNK:].clone(), flat.numel())
 
 
-def chunks_in(grad: torch.Tensor, spans: list[tuple[torch.Tensor, int]]) -> Chunks:
-    """The runs of ``grad`` that the ``spans`` (``Compressor.support``: first elements and a
-    length) touch: what :func:`chunks_of` keeps, and perhaps runs that hold only zeros, found
-    from the exchange's blocks instead of a pass over the whole gradient. ``grad`` must be zero
-    outside the spans."""
-    flat = grad.detach().reshape(-1)
-    full = flat.numel() // CHUNK
-    # Offsets CHUNK apart, and the last element: every run a span reaches into.
-    touched = [(starts + offset) // CHUNK for starts, length in spans for offset in [*range(0, length, CHUNK), length - 1]]
-    index = torch.cat(touched).unique() if touched else torch.zeros(0, dtype=torch.long)
-    index = index[index < full]
-    return Chunks(index.to(torch.int32), flat[:full * CHUNK].view(full, CHUNK).index_select(0, index),
-                  flat[full * CHUNK:].clone(), flat.numel())
-
-
 def dense(encoded: Chunks) -> torch.Tensor:
     """The flat gradient ``chunks_of`` encoded."""
     out = torch.zeros(encoded.numel, dtype=encoded.rows.dtype)

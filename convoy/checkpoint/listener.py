@@ -306,8 +306,6 @@ class CheckpointListener(Listener):
         self._hooked = True
         if self.model_store is None:
             return
-        if self.full_every and hasattr(self.engine.sync, "keep_support"):
-            self.engine.sync.keep_support = True   # the blocks each exchange carried, for the log
         groups: dict[int, tuple[torch.optim.Optimizer, list[Any]]] = {}
         for layer in self.engine.layers:
             optimizer = self.engine.optimizers[layer.index].optimizer
@@ -321,7 +319,6 @@ class CheckpointListener(Listener):
         indices = [self._slot_of[layer.name] for layer in layers]
         order = bucket.layers if bucket is not None else layers   # the flat gradient's layer order
         names = [layer.name for layer in order]
-        support = getattr(self.engine.sync, "support", None) if bucket is not None else None
 
         def flat_grad() -> torch.Tensor:
             if bucket is not None:
@@ -336,11 +333,8 @@ class CheckpointListener(Listener):
                 cpu = time.thread_time()
                 hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params" and _jsonable(v)}
                 # Only the non-zero runs, copied now: the engine zeroes the gradient right after the
-                # update. Found from the blocks the exchange carried, else one pass over the bucket's bits.
-                spans = support.pop(bucket.index, None) if support is not None else None
-                grad = flat_grad()
-                chunks = difflog.chunks_of(grad) if spans is None else difflog.chunks_in(grad, spans)
-                update = difflog.BucketUpdate(names, hyper, chunks)
+                # update. One pass over the bucket's bits; no dense copy, nothing left to scan.
+                update = difflog.BucketUpdate(names, hyper, difflog.chunks_of(flat_grad()))
                 for index in indices:
                     self._grads[index] = (step, update)
                 used = time.thread_time() - cpu

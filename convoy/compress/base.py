@@ -92,12 +92,6 @@ class Compressor(ABC):
         """
         return out.add_(self.decompress(payload, ctx))
 
-    def support(self, payload: Payload, ctx: Any) -> list[tuple[torch.Tensor, int]] | None:
-        """Where :meth:`decompress` may be non-zero: ``(first elements, run length)`` pairs, the
-        runs starting at those flat offsets; None: anywhere (a dense payload). A checkpoint
-        logging the averaged update copies these runs instead of scanning the whole gradient."""
-        return None
-
     def more_rounds(self, ctx: Any) -> bool:
         """Whether the payload just made is an intermediate round (PowerSGD's P before its Q).
 

@@ -211,10 +211,6 @@ class BlockLayout:
         parts = [s.view(flat).index_select(0, idx).reshape(-1) for s, idx in zip(self.segments, kept)]
         return torch.cat(parts) if parts else flat.new_zeros(0)
 
-    def spans(self, kept: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
-        """The kept blocks as ``(first elements, block size)`` per segment (``Compressor.support``)."""
-        return [(s.offset + idx * s.block_size, s.block_size) for s, idx in zip(self.segments, kept)]
-
     def scatter(self, values: torch.Tensor, kept: Sequence[torch.Tensor]) -> torch.Tensor:
         """A dense flat tensor: ``values`` (from :meth:`gather`) at the kept blocks, zeros elsewhere."""
         return self._place(values, kept, values.new_zeros(self.numel), add=False)

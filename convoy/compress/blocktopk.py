@@ -107,12 +107,6 @@ class BlockTopKCompressor(Compressor):
             return layout.scatter_add(payload[0], kept, out)
         return rle.decode_add(payload[0], out, ctx[0].shapes, self.block_size)
 
-    def support(self, payload: Payload, ctx: Any) -> list[tuple[torch.Tensor, int]]:
-        if self.selection == "global":
-            layout, kept = ctx
-            return layout.spans(kept)
-        return rle.spans(payload[0], ctx[0].shapes, self.block_size)
-
     def max_payload_bytes(self, ctx: Any) -> int | None:
         if self.selection == "global":
             return None

@@ -146,17 +146,6 @@ def decode_add(payload: torch.Tensor, out: torch.Tensor, expected_shapes: Sequen
     return layout.scatter_add(values, indices, out)
 
 
-def spans(payload: torch.Tensor, expected_shapes: Sequence[Sequence[int]] | None = None,
-          expected_block_size: int | None = None) -> list[tuple[torch.Tensor, int]]:
-    """The blocks a payload from :func:`encode` holds, as :meth:`BlockLayout.spans`.
-
-    Raises:
-        CodecError: as :func:`decode`.
-    """
-    layout, _, indices = _parse(payload, expected_shapes, expected_block_size)
-    return layout.spans(indices)
-
-
 def _parse(payload: torch.Tensor, expected_shapes: Sequence[Sequence[int]] | None,
            expected_block_size: int | None = None) -> tuple[BlockLayout, torch.Tensor, list[torch.Tensor]]:
     """``(layout, kept values, kept block indices per segment)`` of a checked payload."""

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from convoy.compress import Compressor, IdentityCompressor, LayerInfo, Memory, NoMemory
 from convoy.sync.base import Done, PendingSync, SyncStrategy
-from convoy.sync.rows import pack_row, row_extent, sum_rows, unpack_row
+from convoy.sync.rows import pack_row, row_extent, sum_rows
 
 
 # A warm-up's first step sends this share of every layer (DGC's 25%).
@@ -88,10 +88,6 @@ class AllReduce(SyncStrategy):
         # ``replay(step, layer names)`` is the bucket's averaged gradient of ``step`` as the
         # checkpoint's log recorded it, or None for a step it does not replay (exchanged as usual).
         self.replay: Callable[[int, tuple[str, ...]], torch.Tensor | None] | None = None
-        # Set by a checkpoint that logs each step's averaged update: ``support[index]``, where the
-        # bucket's last average may be non-zero (Compressor.support of every rank's payload).
-        self.keep_support = False
-        self.support: dict[int, list[tuple[torch.Tensor, int]]] = {}
 
     def set_step(self, step: int) -> None:
         """Count steps from ``step`` (resuming): warm-up covers steps ``< warmup_steps`` of the job."""
@@ -131,7 +127,6 @@ class AllReduce(SyncStrategy):
         """
         step = self._exchanges.get(index, self._first_step)
         self._exchanges[index] = step + 1
-        self.support.pop(index, None)
         name = str(index)
         # A compressor without a density warms up dense; the memory still runs,
         # so momentum correction keeps its velocity through the warm-up.
@@ -149,7 +144,7 @@ class AllReduce(SyncStrategy):
             # A resume replaying a logged step: the memory moved on as in training; the
             # average the ranks computed then is in the log, so nothing crosses the network.
             return Done(logged)
-        return self._exchange(compressor, payload, ctx, index)
+        return self._exchange(compressor, payload, ctx)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The memory's residuals (and velocities), and the compressor's warm start."""
@@ -163,38 +158,25 @@ class AllReduce(SyncStrategy):
         """A parameter-sized tensor per kind the memory keeps, and the compressor's own."""
         return params_bytes * len(self.memory.kept()) + self.compressor.state_bytes_bound(params_bytes)
 
-    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any, index: int) -> PendingSync:
+    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any) -> PendingSync:
         if self.world_size == 1:
-            self._keep_support(index, compressor, [payload], ctx)
             return Done(compressor.decompress(payload, ctx))
         if compressor.summable:
-            return self._all_reduce(compressor, payload, ctx, index)
-        return self._all_gather(compressor, payload, ctx, index)
+            return self._all_reduce(compressor, payload, ctx)
+        return self._all_gather(compressor, payload, ctx)
 
-    def _keep_support(self, index: int, compressor: Compressor, payloads: list[Any], ctx: Any) -> None:
-        if not self.keep_support:
-            return
-        spans = []
-        for payload in payloads:
-            mine = compressor.support(payload, ctx)
-            if mine is None:
-                return
-            spans += mine
-        self.support[index] = spans
-
-    def _all_reduce(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any, index: int) -> PendingSync:
+    def _all_reduce(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any) -> PendingSync:
         (wire,) = payload
         work = dist.all_reduce(wire, group=self.group, async_op=True)
         moved = ring_allreduce_bytes(wire.numel() * wire.element_size(), self.world_size)
         self._count(moved, moved)
 
         def finish() -> torch.Tensor:
-            self._keep_support(index, compressor, [[wire]], ctx)
             return compressor.decompress([wire], ctx).div_(self.world_size)
 
         return _PendingAllReduce(work, finish)
 
-    def _all_gather(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any, index: int) -> PendingSync:
+    def _all_gather(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any) -> PendingSync:
         # Each rank's row (convoy.sync.rows), padded to a width every rank agrees on.
         dtypes = [t.dtype for t in payload]
         head, used = row_extent(payload)
@@ -206,7 +188,6 @@ class AllReduce(SyncStrategy):
         self._count(moved, moved)
 
         def finish() -> torch.Tensor:
-            self._keep_support(index, compressor, [unpack_row(row, dtypes) for row in rows], ctx)
             return sum_rows(compressor, rows, dtypes, ctx).div_(self.world_size)
 
         return _PendingAllReduce(work, finish)

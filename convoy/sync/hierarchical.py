@@ -225,7 +225,7 @@ class Hierarchical(AllReduce):
         self._reap_sends()
         return super().start(bucket, grad)
 
-    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any, index: int) -> PendingSync:
+    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any) -> PendingSync:
         if len(self.members) == 1:
             return Done(compressor.decompress(payload, ctx))
         if compressor.summable:

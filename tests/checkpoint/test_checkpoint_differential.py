@@ -26,10 +26,8 @@ from convoy.checkpoint import CheckpointSettings, start_checkpointing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from convoy.checkpoint.difflog import CHUNK, BucketUpdate, chunks_in, chunks_of, dense, log_path, pack, unpack
+from convoy.checkpoint.difflog import CHUNK, BucketUpdate, chunks_of, dense, log_path, pack, unpack
 from convoy.checkpoint.listener import FULL_EVERY_BOUNDS, full_interval
-from convoy.compress import LayerInfo
-from convoy.compress.blocktopk import BlockTopKCompressor
 from convoy.checkpoint.recovery import read_updates, replay_updates, restore_model, restore_points, scan, valid_steps
 from convoy.checkpoint.store import Store
 from convoy.models.lenet import lenet
@@ -102,30 +100,6 @@ def test_updates_round_trip_bit_for_bit_negative_zero_included():
         back = dense(bucket.grad)
         bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[source.element_size()]
         assert torch.equal(back.view(bits), source.view(bits))
-
-
-@settings(max_examples=60, deadline=None)
-@given(shapes=st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=3), min_size=1, max_size=4),
-       block_size=st.integers(1, 150), fraction=st.floats(0.01, 1.0), ranks=st.integers(1, 3),
-       selection=st.sampled_from(["local", "global"]), seed=st.integers(0, 2**16))
-def test_runs_found_from_the_exchanged_blocks_rebuild_the_average_bit_for_bit(shapes, block_size, fraction, ranks,
-                                                                              selection, seed):
-    """The log's runs taken from the blocks every rank sent (``Compressor.support``) instead of a
-    scan: the record rebuilds the summed gradient exactly, and keeps every run the scan keeps."""
-    torch.manual_seed(seed)
-    compressor = BlockTopKCompressor(fraction=fraction, selection=selection, block_size=block_size)
-    numel = sum(torch.Size(s).numel() for s in shapes)
-    info = LayerInfo(shapes=tuple(tuple(s) for s in shapes), agree=lambda scores: scores * ranks)
-    total, spans = torch.zeros(numel), []
-    for _ in range(ranks):
-        payload, ctx = compressor.compress(torch.randn(numel), "0", info)
-        compressor.decompress_add(payload, ctx, total)
-        spans += compressor.support(payload, ctx)
-    found = chunks_in(total, spans)
-    assert torch.equal(dense(found), total)
-    scanned = chunks_of(total)
-    if scanned.run == CHUNK:   # (the scan may keep scattered elements as positions instead)
-        assert set(scanned.chunks.tolist()) <= set(found.chunks.tolist())
 
 
 @settings(max_examples=200, deadline=None)
