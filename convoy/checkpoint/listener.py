@@ -63,7 +63,10 @@ from convoy.utils.threads import PERSISTER_THREAD_NICE, lower_priority
 _POLL_S = (0.001, 0.01)
 AUTO_PROBE_STEPS = (4, 3)    # auto: steps measured without, then with checkpoints
 DEFAULT_BUDGET = 0.03        # auto: the share of step time checkpoints may cost (CheckFreq's 3.5%)
-DEFAULT_FULL_EVERY = 10      # differential: a full snapshot every this many checkpoints
+DEFAULT_FULL_EVERY = "auto"  # differential: a full snapshot every this many checkpoints, or from the budget
+# differential, auto: the interval until the first full snapshot's cost is known, and the longest
+# (a resume by replay trains up to this many steps again)
+FULL_EVERY_BOUNDS = (10, 100)
 
 
 class CheckpointError(RuntimeError):
@@ -144,10 +147,13 @@ class CheckpointListener(Listener):
         peer_timeout_s: how long to wait for another rank's file before failing.
         full_names: the whole model's names of ``model``'s ``state_dict`` keys, when
             ``model`` is one part of it (hybrid parallelism); kept in every commit record.
-        budget: ``every="auto"``: the share of a step's time checkpoints may cost.
+        budget: ``every="auto"``, ``full_every="auto"``: the share of a step's time
+            checkpoints may cost.
         full_every: differential checkpoints with a full snapshot every this many
-            checkpoints (0: every checkpoint is full). Only for updates that are
-            exactly the optimizer's step on the averaged gradient.
+            checkpoints (0: every checkpoint is full), or ``"auto"``: measure the first
+            full snapshot and the steps after it, then the fewest checkpoints between
+            full snapshots that keep the cost within ``budget`` (:func:`full_interval`).
+            Only for updates that are exactly the optimizer's step on the averaged gradient.
         copy_on_write: write layers from the live tensors, the next update waiting for
             the persister (True), or from copies taken on the auxiliary thread (False:
             for strategies that change parameters outside the optimizer).
@@ -170,14 +176,14 @@ class CheckpointListener(Listener):
                  model_store: Store | None, model_generation: int = 0, rank_generation: int = 0,
                  rank_store: Store | None = None, peer_timeout_s: float = 300.0,
                  full_names: dict[str, str] | None = None, budget: float = DEFAULT_BUDGET,
-                 full_every: int = 0, copy_on_write: bool = True, other_writers: list[int] = (),
+                 full_every: int | str = 0, copy_on_write: bool = True, other_writers: list[int] = (),
                  replay: bool = False, quiet_until: int = 0):
         if every != "auto" and (not isinstance(every, int) or every < 1):
             raise ValueError(f"every must be an integer >= 1 or 'auto', got {every!r}")
         if not 0.0 < budget < 1.0:
             raise ValueError(f"budget must be in (0, 1), got {budget}")
-        if full_every < 0:
-            raise ValueError(f"full_every must be >= 0, got {full_every}")
+        if full_every != "auto" and (not isinstance(full_every, int) or full_every < 0):
+            raise ValueError(f"full_every must be an integer >= 0 or 'auto', got {full_every!r}")
         if (rank == writer_rank) != (model_store is not None):
             raise ValueError("exactly the writer rank needs a model store")
         self.directory = Path(directory)
@@ -190,8 +196,10 @@ class CheckpointListener(Listener):
         self._last_rank_step = max(rank_store.committed_steps(), default=-1) if rank_store else -1
         self._timeout = peer_timeout_s
         self._full_names = full_names
-        self.full_every, self.copy_on_write = full_every, copy_on_write
-        self.replay = replay and full_every > 0
+        self._auto_full = _AutoFullInterval(budget) if full_every == "auto" else None
+        self.full_every = FULL_EVERY_BOUNDS[0] if full_every == "auto" else full_every
+        self.copy_on_write = copy_on_write
+        self.replay = replay and self.full_every > 0
         self._replay_from, self._quiet_until = engine.step, quiet_until
         layout: Layout | None = model_store.layout if model_store is not None else None
         self._slot_of = {s.name: i for i, s in enumerate(layout.slots)} if layout else {}
@@ -201,6 +209,7 @@ class CheckpointListener(Listener):
         self._hook_handles: list[Any] = []
         self._step = engine.step                            # the step the auxiliary thread is in
         self._full_due, self._since_full = True, 0          # the writer's next checkpoint kind
+        self._fulls = 0                                     # full snapshots taken in this run
         self._based = False                                 # a full snapshot was taken in this run
         self._log: DiffLog | None = None                    # the differential log being appended to
         self._cond = threading.Condition()
@@ -217,14 +226,21 @@ class CheckpointListener(Listener):
         # stall_s, blocked_s: wall time held on the training path; path_cpu_s: CPU time of the
         # training threads in this listener (less sensitive to other load); persist_*: the persister's.
         # Of persist_cpu_s: state_cpu_s this rank's own file, log_cpu_s the differential records.
+        # full_cpu_s, update_cpu_s: the CPU of both threads spent on full snapshots and on the
+        # differential steps' updates (logged_steps of them), for full_every="auto".
         self.stats = {"stall_s": 0.0, "blocked_s": 0.0, "path_cpu_s": 0.0, "persist_s": 0.0,
                       "persist_cpu_s": 0.0, "state_cpu_s": 0.0, "log_cpu_s": 0.0, "bytes_written": 0,
-                      "commits": 0, "full": 0, "differential": 0}
+                      "commits": 0, "full": 0, "differential": 0, "full_cpu_s": 0.0, "update_cpu_s": 0.0,
+                      "logged_steps": 0}
         self._auto = _AutoFrequency(max(engine.step, quiet_until), budget) if every == "auto" else None
         self.every = 1 if every == "auto" else every
         self._every_from = 0
-        if self._auto is not None and dist.is_initialized() and dist.get_world_size() > 1:
-            self._auto.group = dist.new_group()   # every rank builds a listener: a collective call
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Every rank builds a listener: collective calls.
+            if self._auto is not None:
+                self._auto.group = dist.new_group()
+            if self._auto_full is not None:
+                self._auto_full.group = dist.new_group()
         self._thread = threading.Thread(target=self._persist_main, name="convoy-persister", daemon=True)
         self._thread.start()
 
@@ -253,32 +269,35 @@ class CheckpointListener(Listener):
         if not self._hooked:
             self._hook_optimizers()
         due, logged = self.due(step), self.logs_update(step)
-        if not due and not logged:
+        # A logged step's updates were kept by the optimizer hooks and go to the persister with
+        # the step's end, in one item, not one per layer.
+        state = due and self.writes_rank_state()
+        if not state and (logged or not due):
             return
         start, cpu = time.perf_counter(), time.thread_time()
         self._raise_if_failed()
-        if due and self.writes_rank_state():
+        if state:
             for name, buf in module_buffers(layer.name, layer.module):
                 self._buffers[name] = buf.detach().clone()
-        if self.model_store is not None:
-            self._hand_over(layer, step, logged)
+        if self.model_store is not None and not logged:
+            self._hand_over(layer, step)
         self.stats["stall_s"] += time.perf_counter() - start
-        self.stats["path_cpu_s"] += time.thread_time() - cpu
+        used = time.thread_time() - cpu
+        self.stats["path_cpu_s"] += used
+        self.stats["update_cpu_s" if logged else "full_cpu_s"] += used
 
-    def _hand_over(self, layer: Any, step: int, logged: bool) -> None:
-        """Queue the writer's part of ``layer`` at ``step``: its update (differential) or its tensors."""
+    def _hand_over(self, layer: Any, step: int) -> None:
+        """Queue the writer's part of ``layer`` at ``step``: its tensors."""
         index = self._slot_of[layer.name]
-        if logged:
-            captured = self._grads.get(index)
-            update = captured[1] if captured is not None and captured[0] == step else None
-            self._queue.put(("update", step, index, update))   # None: the update was skipped
-            return
         tensors, meta = layer_sources(layer.module, layer.params, self.engine.optimizers[layer.index],
                                       self.model_store.layout.slots[index])
-        if not self.copy_on_write:
+        if not self.copy_on_write or self.full_every:
+            # Differential: a full snapshot is rare and large; held until the low-priority persister
+            # had read it, resnet18's next updates waited ~350 ms a snapshot, a copy takes ~20 ms.
             tensors = [t.clone() for t in tensors]
-        with self._cond:
-            self._held[index] = True
+        else:
+            with self._cond:
+                self._held[index] = True
         self._queue.put(("slot", step, index, tensors, meta))
 
     def _hook_optimizers(self) -> None:
@@ -318,7 +337,9 @@ class CheckpointListener(Listener):
                 update = difflog.BucketUpdate(names, hyper, difflog.chunks_of(flat_grad()))
                 for index in indices:
                     self._grads[index] = (step, update)
-                self.stats["path_cpu_s"] += time.thread_time() - cpu
+                used = time.thread_time() - cpu
+                self.stats["path_cpu_s"] += used
+                self.stats["update_cpu_s"] += used
         return hook
 
     def on_step_end(self, step: int, stats: Any) -> None:
@@ -339,16 +360,24 @@ class CheckpointListener(Listener):
             if self._auto.decided_at(step):
                 self._adopt(self._auto.decide(self.stats), step)
         arena = self._arena
+        if self._auto_full is not None and self._fulls and not self._auto_full.decided:
+            self._auto_full.observe(step)
+        updates = self._updates_of(step) if self.logs_update(step) else {}
+        self.stats["logged_steps"] += bool(updates)
         if not self.due(step):
             if arena is not None:
                 arena.step_ended(step)
-            if self.logs_update(step):   # the writer's log record of a step between checkpoints
-                self._queue_end(step, False, None, None, False, None)
+            if updates:   # the writer's log record of a step between checkpoints
+                self._queue_end(step, False, None, None, False, None, updates)
             return
         start = time.perf_counter()
         with_state, full = self.writes_rank_state(), self._full_due
         if self.full_every:   # every rank follows the schedule: replay writes rank files with the full ones
+            self._fulls += full
             self._since_full = 0 if full else self._since_full + 1
+            if self._auto_full is not None and not self._auto_full.decided \
+                    and self._since_full + 1 >= self.full_every:
+                self._adopt_full_every(self._auto_full.decide(self._measured(), self.every))
             self._full_due = self._since_full + 1 >= self.full_every
             self._based = True
         state = image = None
@@ -368,16 +397,24 @@ class CheckpointListener(Listener):
                  "hyper": {k: v for k, v in group.items() if k != "params" and _jsonable(v)}}
         if self._full_names is not None:
             extra["full_names"] = self._full_names
-        self._queue_end(step, True, state, extra, full, image)
+        self._queue_end(step, True, state, extra, full, image, updates)
         self.stats["stall_s"] += time.perf_counter() - start
 
+    def _updates_of(self, step: int) -> dict[str, difflog.BucketUpdate | None]:
+        """Every layer's update at ``step``, as the optimizer hooks kept it (None: the step skipped it)."""
+        updates = {}
+        for index, slot in enumerate(self.model_store.layout.slots):
+            captured = self._grads.get(index)
+            updates[slot.name] = captured[1] if captured is not None and captured[0] == step else None
+        return updates
+
     def _queue_end(self, step: int, checkpoint: bool, state: dict | None, extra: dict | None, full: bool,
-                   image: tuple[RankArena, int, bool] | None) -> None:
+                   image: tuple[RankArena, int, bool] | None, updates: dict) -> None:
         # At most two steps' rank state in flight: bounded memory on every rank.
         self.stats["blocked_s"] += self._wait(lambda: self._ends_in_flight < 2)
         with self._cond:
             self._ends_in_flight += 1
-        self._queue.put(("end", step, checkpoint, state, extra, full, image))
+        self._queue.put(("end", step, checkpoint, state, extra, full, image, updates))
 
     def _replay_ended(self) -> None:
         """The resume's replay is over: the exchanges go over the network again."""
@@ -386,6 +423,17 @@ class CheckpointListener(Listener):
             print(f"convoy: checkpoint: resumed from the full snapshot at step {self._replay_from}, replayed "
                   f"{self._quiet_until - self._replay_from} steps to step {self._quiet_until}",
                   file=sys.stderr, flush=True)
+    def _measured(self) -> dict[str, float]:
+        """The listener's counters once the persister has caught up (it holds the last full snapshot's cost)."""
+        self._wait(lambda: self._ends_in_flight == 0)
+        return dict(self.stats, fulls=self._fulls)
+
+    def _adopt_full_every(self, full_every: int) -> None:
+        self.full_every = full_every
+        if self.rank == 0:
+            print(f"convoy: checkpoint: a full snapshot every {full_every} checkpoints, the longest interval any "
+                  f"rank chose ({self._auto_full.describe()})", file=sys.stderr, flush=True)
+
     def _adopt(self, every: int, step: int) -> None:
         self.every, self._every_from = every, step + 1
         if self.rank == 0:
@@ -410,19 +458,19 @@ class CheckpointListener(Listener):
         lower_priority(PERSISTER_THREAD_NICE)
         checksums: dict[int, int] = {}
         metas: dict[str, Any] = {}
-        updates: dict[str, Any] = {}
         try:
             while (item := self._queue.get()) is not None:
                 start, cpu = time.perf_counter(), time.thread_time()
                 if item[0] == "slot":
                     self._persist_slot(*item[1:], checksums, metas)
-                elif item[0] == "update":
-                    self._keep_update(*item[1:], updates)
                 else:
-                    self._persist_end(*item[1:], checksums, metas, updates)
-                    checksums, metas, updates = {}, {}, {}
+                    self._persist_end(*item[1:], checksums, metas)
+                    checksums, metas = {}, {}
                 self.stats["persist_s"] += time.perf_counter() - start
-                self.stats["persist_cpu_s"] += time.thread_time() - cpu
+                used = time.thread_time() - cpu
+                self.stats["persist_cpu_s"] += used
+                full = item[0] == "slot" or (item[0] == "end" and item[5])
+                self.stats["full_cpu_s" if full else "update_cpu_s"] += used
         except BaseException as exc:  # the auxiliary thread re-raises it
             with self._cond:
                 self._error = exc
@@ -456,12 +504,9 @@ class CheckpointListener(Listener):
             metas[store.layout.slots[index].name] = meta
         self.stats["bytes_written"] += store.layout.slots[index].nbytes
 
-    def _keep_update(self, step: int, index: int, update: difflog.BucketUpdate | None, updates: dict) -> None:
-        updates[self.model_store.layout.slots[index].name] = update   # None: the step skipped the layer
-
     def _persist_end(self, step: int, checkpoint: bool, state: dict | None, extra: dict | None, full: bool,
-                     image: tuple[RankArena, int, bool] | None, checksums: dict, metas: dict,
-                     updates: dict) -> None:
+                     image: tuple[RankArena, int, bool] | None, updates: dict, checksums: dict,
+                     metas: dict) -> None:
         done = step + 1
         if not checkpoint:   # a step between checkpoints: only the writer's log record
             self._commit_update(done, updates, checkpoint=False)
@@ -670,6 +715,63 @@ class _AutoFrequency:
         s = self.summary
         return (f"rank 0 measured: step {1000 * s['step_s']:.0f} ms, a checkpoint costs {1000 * s['cost_s']:.0f} ms "
                 f"on the training path, persists in {1000 * s['persist_s']:.0f} ms; budget {100 * self.budget:g}%")
+
+
+def full_interval(full_cost_s: float, update_cost_s: float, step_s: float, every: int, budget: float) -> int:
+    """Checkpoints between full snapshots: the fewest whose cost per step fits ``budget``.
+
+    A full snapshot costs ``full_cost_s`` and every step's logged update
+    ``update_cost_s`` (CPU seconds of the listener's threads, a conservative
+    measure where spare cores would absorb them); with a checkpoint every
+    ``every`` steps of ``step_s``, ``K`` checkpoints apart the cost per step is
+    ``update_cost_s + full_cost_s / (K * every)``. Bounded by
+    ``FULL_EVERY_BOUNDS``: at least the interval used while measuring, at most
+    the replay a resume may have to train again.
+
+    Example::
+
+        >>> full_interval(0.16, 0.006, 0.6, 1, 0.02)   # room: 12 - 6 ms a step
+        27
+    """
+    low, high = FULL_EVERY_BOUNDS
+    room = budget * step_s - update_cost_s
+    if room <= 0:
+        return high
+    return min(high, max(low, math.ceil(full_cost_s / (room * every))))
+
+
+class _AutoFullInterval:
+    """``full_every="auto"``: from the first full snapshot's cost and the steps after it, the
+    interval of :func:`full_interval`; every rank adopts the largest any rank chose."""
+
+    def __init__(self, budget: float):
+        self.budget = budget
+        self.group: Any = None
+        self.decided = False
+        self._ends: list[float] = []
+        self.summary: dict[str, float] = {}
+
+    def observe(self, step: int) -> None:
+        self._ends.append(time.perf_counter())
+
+    def decide(self, stats: dict, every: int) -> int:
+        gaps = [b - a for a, b in zip(self._ends, self._ends[1:])]
+        step_s = statistics.median(gaps) if gaps else 0.0
+        full = stats["full_cpu_s"] / max(stats["fulls"], 1)
+        update = stats["update_cpu_s"] / max(stats["logged_steps"], 1)
+        chosen = full_interval(full, update, step_s, every, self.budget) if step_s > 0 else FULL_EVERY_BOUNDS[1]
+        if self.group is not None:
+            agreed = torch.tensor([chosen])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+            chosen = int(agreed)
+        self.summary = {"step_s": step_s, "full_s": full, "update_s": update}
+        self.decided = True
+        return chosen
+
+    def describe(self) -> str:
+        s = self.summary
+        return (f"rank 0 measured: step {1000 * s['step_s']:.0f} ms, a full snapshot {1000 * s['full_s']:.0f} ms "
+                f"and a step's update {1000 * s['update_s']:.1f} ms of CPU; budget {100 * self.budget:g}%")
 
 
 def _jsonable(value: Any) -> bool:

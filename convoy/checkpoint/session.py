@@ -43,7 +43,8 @@ class CheckpointSettings:
 
     ``every`` is a number of steps or ``"auto"`` (as often as ``budget``, a share
     of the step time, allows); ``full_every``: with a sparse gradient compressor,
-    a full snapshot every this many checkpoints and the exchanged update in between.
+    a full snapshot every this many checkpoints and the exchanged update in between,
+    or ``"auto"`` (as seldom as ``budget`` needs, measured; 10 to 100 checkpoints).
     """
 
     directory: str
@@ -51,7 +52,7 @@ class CheckpointSettings:
     resume: bool | None = None
     timeout_s: float = 300.0
     budget: float = DEFAULT_BUDGET
-    full_every: int = DEFAULT_FULL_EVERY
+    full_every: int | str = DEFAULT_FULL_EVERY
 
 
 @dataclass

@@ -388,11 +388,13 @@ class CheckpointConfig:
     every: str | int = _opt("1", "checkpoint every N steps (and after the last one), or auto: measure "
                       "a checkpoint's cost and checkpoint as often as --checkpoint-budget allows",
                       flag="checkpoint_every")
-    budget: float = _opt(0.03, "--checkpoint-every auto: the share of step time checkpoints may "
-                         "cost, in (0, 0.5]", flag="checkpoint_budget")
-    full_every: int = _opt(10, "with a sparse compressor (blocktopk, topk, randomk): a full snapshot "
-                           "every N checkpoints, the exchanged update in between (1: always full)",
-                           flag="checkpoint_full_every", count=True)
+    budget: float = _opt(0.03, "--checkpoint-every auto, --checkpoint-full-every auto: the share of step "
+                         "time checkpoints may cost, in (0, 0.5]", flag="checkpoint_budget")
+    full_every: str | int = _opt("auto", "with a sparse compressor (blocktopk, topk, randomk): a full snapshot "
+                                 "every N checkpoints, the exchanged update in between (1: always full), or "
+                                 "auto: measure the first full snapshot, then the fewest checkpoints between "
+                                 "full ones (10 to 100) that keep within --checkpoint-budget; a resume may "
+                                 "train up to that many steps again", flag="checkpoint_full_every")
     resume: bool | None = _opt(None, "resume from --checkpoint-dir (--resume: fail if it holds none; "
                                "--no-resume: start over, overwriting it); default: resume if it holds one")
     init_from: str | None = _opt(None, "start from the parameters of this state_dict file (.pt), e.g. "
@@ -401,10 +403,10 @@ class CheckpointConfig:
     def validate(self) -> None:
         """The values; the directory itself is created and checked last, by TrainConfig.validate."""
         _check_fields(self)
-        self.every = _checkpoint_every(self.every)
+        self.every = _count_or_auto("checkpoint_every", self.every)
         if not 0.0 < self.budget <= 0.5:
             raise UsageError(f"--checkpoint-budget must be in (0, 0.5], got {self.budget:g}")
-        _at_least("checkpoint_full_every", self.full_every, 1)
+        self.full_every = _count_or_auto("checkpoint_full_every", self.full_every)
         if self.resume is not None and self.dir is None:
             raise UsageError("--resume/--no-resume needs --checkpoint-dir")
         if self.init_from is not None and not Path(self.init_from).is_file():
@@ -677,17 +679,17 @@ def _within(name: str, value: int, low: int, high: int) -> None:
         raise UsageError(f"{_flag(name)} must be <= {high}, got {value}")
 
 
-def _checkpoint_every(value: Any) -> int | str:
-    """``--checkpoint-every``: a whole number of steps in [1, MAX_COUNT], or ``"auto"``."""
+def _count_or_auto(name: str, value: Any) -> int | str:
+    """``--checkpoint-every``, ``--checkpoint-full-every``: a whole number in [1, MAX_COUNT], or ``"auto"``."""
     if value == "auto":
         return value
     try:
-        every = int(value) if not isinstance(value, (bool, float)) else None
+        count = int(value) if not isinstance(value, (bool, float)) else None
     except ValueError:
-        every = None
-    if every is None or str(value).strip() not in (str(every), f"+{every}") or not 1 <= every <= MAX_COUNT:
-        raise UsageError(f"--checkpoint-every must be a whole number from 1 to {MAX_COUNT}, or auto; got {value!r}")
-    return every
+        count = None
+    if count is None or str(value).strip() not in (str(count), f"+{count}") or not 1 <= count <= MAX_COUNT:
+        raise UsageError(f"{_flag(name)} must be a whole number from 1 to {MAX_COUNT}, or auto; got {value!r}")
+    return count
 
 
 def _flag(name: str) -> str:

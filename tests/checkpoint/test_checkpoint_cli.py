@@ -122,7 +122,10 @@ def test_a_bad_checkpoint_dir_is_refused_before_training(tmp_path, make, expecte
     (["--checkpoint-every", "0"], "--checkpoint-every must be a whole number from 1 to 1000000000, or auto"),
     (["--checkpoint-every", "often"], "--checkpoint-every must be a whole number from 1 to 1000000000, or auto"),
     (["--checkpoint-dir", "ckpt", "--checkpoint-budget", "0.9"], "--checkpoint-budget must be in (0, 0.5]"),
-    (["--checkpoint-dir", "ckpt", "--checkpoint-full-every", "0"], "--checkpoint-full-every must be >= 1"),
+    (["--checkpoint-dir", "ckpt", "--checkpoint-full-every", "0"],
+     "--checkpoint-full-every must be a whole number from 1 to 1000000000, or auto"),
+    (["--checkpoint-dir", "ckpt", "--checkpoint-full-every", "seldom"],
+     "--checkpoint-full-every must be a whole number from 1 to 1000000000, or auto"),
     (["--resume"], "--resume/--no-resume needs --checkpoint-dir"),
 ])
 def test_bad_checkpoint_options(args, expected):

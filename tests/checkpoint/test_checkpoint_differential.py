@@ -23,7 +23,11 @@ import pytest
 import torch
 
 from convoy.checkpoint import CheckpointSettings, start_checkpointing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from convoy.checkpoint.difflog import CHUNK, BucketUpdate, chunks_of, dense, log_path, pack, unpack
+from convoy.checkpoint.listener import FULL_EVERY_BOUNDS, full_interval
 from convoy.checkpoint.recovery import read_updates, replay_updates, restore_model, restore_points, scan, valid_steps
 from convoy.checkpoint.store import Store
 from convoy.models.lenet import lenet
@@ -98,6 +102,38 @@ def test_updates_round_trip_bit_for_bit_negative_zero_included():
         assert torch.equal(back.view(bits), source.view(bits))
 
 
+@settings(max_examples=200, deadline=None)
+@given(full=st.floats(0.0, 10.0), update=st.floats(0.0, 0.1), step=st.floats(0.01, 5.0), every=st.integers(1, 50),
+       budget=st.floats(0.001, 0.5))
+def test_the_full_snapshot_interval_is_the_fewest_checkpoints_within_the_budget(full, update, step, every, budget):
+    """Within its bounds, the interval chosen is the shortest whose cost per step fits the budget."""
+    low, high = FULL_EVERY_BOUNDS
+    chosen = full_interval(full, update, step, every, budget)
+    assert low <= chosen <= high
+
+    def cost(k: int) -> float:
+        return update + full / (k * every)
+
+    if low < chosen < high:
+        assert cost(chosen) <= budget * step * (1 + 1e-9) and cost(chosen - 1) > budget * step
+    if chosen == low and update < budget * step:
+        assert cost(low) <= budget * step * (1 + 1e-9)
+
+
+def test_auto_full_snapshots_measure_then_space_the_snapshots_and_resume_bit_for_bit(tmp_path, trace, capsys):
+    """``full_every="auto"``: the first interval is the lower bound, the next one measured; a
+    resume from the log of the steps after the first snapshot is still exact."""
+    _, session = _train_with_checkpoints(tmp_path, until=15, stop=100, every=1, full_every="auto")
+    chosen = session.listener.full_every
+    assert FULL_EVERY_BOUNDS[0] <= chosen <= FULL_EVERY_BOUNDS[1]
+    assert f"convoy: checkpoint: a full snapshot every {chosen} checkpoints" in capsys.readouterr().err
+    assert _rank_steps(tmp_path) == {1: 1}, "a rank file was written between full snapshots"
+    state, session = _train_with_checkpoints(tmp_path, until=STEPS, stop=STEPS, every=1, full_every="auto")
+    assert (session.start.step, session.start.replay_to) == (1, 15), session.start
+    for key, tensor in trace[STEPS].items():
+        assert torch.equal(state[key], tensor), key
+
+
 def test_scattered_elements_are_kept_as_positions_and_round_trip():
     grad = torch.zeros(64 * CHUNK)
     grad[::CHUNK // 2] = torch.randn(2 * 64)   # every run holds two elements: positions are fewer bytes
@@ -158,7 +194,7 @@ def test_sigkill_with_differential_checkpoints_recovers_a_bit_identical_step(tmp
 
 
 def _train_with_checkpoints(directory: Path, until: int, stop: int, compress: str = COMPRESS, every: int = 3,
-                            full_every: int = 2):
+                            full_every: int | str = 2):
     model, engine, x, y = checkpoint_job.build_job(compress)
     session = start_checkpointing(CheckpointSettings(str(directory), every=every, full_every=full_every), model,
                                   engine, torch.optim.SGD, checkpoint_job.HYPER, total_steps=stop,
