@@ -567,13 +567,14 @@ BLOCKS: tuple[Block, ...] = (
           _versus_peer("time_to_accuracy_vgg_fc_100mbit_i18"), emulated=True),
     Block("tta_resnet18_100mbit_peer", "Time to 95% and 97%: resnet18, convoy's compressors against DDP + PowerSGD",
           ("time_to_accuracy_resnet18_100mbit_i18", "time_to_accuracy_resnet18_100mbit_i18b",
-           "time_to_accuracy_resnet18_100mbit_i18c"),
+           "time_to_accuracy_resnet18_100mbit_i18c", "time_to_accuracy_resnet18_100mbit_i18d"),
           "python bench/time_to_accuracy.py --hosts 4 --rate 100mbit --model resnet18 --target 0.97 --eval-every 25 "
           "--tag i18 --strategies powersgd convoy-powersgd blocktopk fp16 (run 1); --tag i18b --strategies "
-          "powersgd fp16 (run 2); --tag i18c --strategies powersgd fp16 (run 3, a fresh clone)",
+          "powersgd fp16 (run 2); --tag i18c --strategies powersgd fp16 (run 3, a fresh clone); without "
+          "--eval-every (20), --tag i18d --strategies powersgd blocktopk (run 4, blocktopk scoring blocks by L2)",
           "DDP + torch's PowerSGD hook (rank 2), in each run (the ratios are its time in that run over each row's)",
           _versus_peer("time_to_accuracy_resnet18_100mbit_i18", "time_to_accuracy_resnet18_100mbit_i18b",
-                       "time_to_accuracy_resnet18_100mbit_i18c"),
+                       "time_to_accuracy_resnet18_100mbit_i18c", "time_to_accuracy_resnet18_100mbit_i18d"),
           emulated=True),
     Block("tta_vgg_fc_1gbit_peer", "Time to 95% and 97% at 1 Gbit: vgg_fc, convoy against DDP + PowerSGD",
           ("time_to_accuracy_vgg_fc_1gbit",),
