@@ -102,8 +102,7 @@ def _run_mode(rank: int, mode: str, name: str, batch: int, steps: int, root: Pat
     if mode.startswith("convoy"):
         full_every = 1 if mode == "convoy_full" else CheckpointSettings.full_every
         settings = CheckpointSettings(str(directory), resume=False, full_every=full_every, budget=DIFFERENTIAL_BUDGET)
-        session = start_checkpointing(settings,
-                                      model, engine,
+        session = start_checkpointing(settings, model, engine,
                                       torch.optim.SGD, HYPER, total_steps=10**9, steps_per_epoch=10**9)
     dcp_group = dist.new_group() if mode == "dcp_async" else None
 
@@ -296,8 +295,7 @@ def main() -> None:
     stem = "checkpoint" if args.compress == "none" else f"checkpoint_{args.compress}"
     stem += f"_{args.tag}" if args.tag else ""
     save(stem, settings, rows, ["model", "mode", "median_step_s", "overhead_%", "mean_overhead_%", "cpu_overhead_%",
-                                "path_cpu_ms",
-                                "persist_cpu_ms", "stall_ms", "MB_per_ckpt", "MB_written_per_s", "recovery_s"])
+                                "path_cpu_ms", "persist_cpu_ms", "stall_ms", "MB_per_ckpt", "MB_written_per_s", "recovery_s"])
     _plot(timelines, RESULTS / f"{stem}.png")
 
 

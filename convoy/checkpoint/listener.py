@@ -361,7 +361,7 @@ class CheckpointListener(Listener):
                 self._adopt(self._auto.decide(self.stats), step)
         arena = self._arena
         if self._auto_full is not None and self._fulls and not self._auto_full.decided:
-            self._auto_full.observe(step)
+            self._auto_full.observe()
         updates = self._updates_of(step) if self.logs_update(step) else {}
         self.stats["logged_steps"] += bool(updates)
         if not self.due(step):
@@ -703,10 +703,7 @@ class _AutoFrequency:
         persist = (stats["persist_s"] - self._stats0.get("persist_s", 0.0)) / on
         cost = max(checked - plain, stall)
         every = max(1, math.ceil(cost / (self.budget * plain)), math.ceil(persist / plain))
-        if self.group is not None:
-            chosen = torch.tensor([every])
-            dist.all_reduce(chosen, op=dist.ReduceOp.MAX, group=self.group)
-            every = int(chosen)
+        every = _largest_over(self.group, every)
         self.summary = {"step_s": plain, "cost_s": cost, "stall_s": stall, "persist_s": persist, "every": every}
         self.decided = True
         return every
@@ -751,7 +748,8 @@ class _AutoFullInterval:
         self._ends: list[float] = []
         self.summary: dict[str, float] = {}
 
-    def observe(self, step: int) -> None:
+    def observe(self) -> None:
+        """A step ended (after the first full snapshot)."""
         self._ends.append(time.perf_counter())
 
     def decide(self, stats: dict, every: int) -> int:
@@ -759,11 +757,8 @@ class _AutoFullInterval:
         step_s = statistics.median(gaps) if gaps else 0.0
         full = stats["full_cpu_s"] / max(stats["fulls"], 1)
         update = stats["update_cpu_s"] / max(stats["logged_steps"], 1)
-        chosen = full_interval(full, update, step_s, every, self.budget) if step_s > 0 else FULL_EVERY_BOUNDS[1]
-        if self.group is not None:
-            agreed = torch.tensor([chosen])
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
-            chosen = int(agreed)
+        chosen = _largest_over(self.group, full_interval(full, update, step_s, every, self.budget)
+                               if step_s > 0 else FULL_EVERY_BOUNDS[1])
         self.summary = {"step_s": step_s, "full_s": full, "update_s": update}
         self.decided = True
         return chosen
@@ -772,6 +767,15 @@ class _AutoFullInterval:
         s = self.summary
         return (f"rank 0 measured: step {1000 * s['step_s']:.0f} ms, a full snapshot {1000 * s['full_s']:.0f} ms "
                 f"and a step's update {1000 * s['update_s']:.1f} ms of CPU; budget {100 * self.budget:g}%")
+
+
+def _largest_over(group: Any, value: int) -> int:
+    """The largest ``value`` any rank of ``group`` chose (``value`` itself without a group)."""
+    if group is None:
+        return value
+    chosen = torch.tensor([value])
+    dist.all_reduce(chosen, op=dist.ReduceOp.MAX, group=group)
+    return int(chosen)
 
 
 def _jsonable(value: Any) -> bool:
