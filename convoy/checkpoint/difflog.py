@@ -31,11 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from convoy.checkpoint import faults
 from convoy.checkpoint.format import FormatError, dtype_of
 from convoy.checkpoint.store import AREA_NAMES, raw_bytes, write_all
+from convoy.compress import Support
 from convoy.utils.atomic import sync_folder
 
 _LOG_HEAD = struct.Struct("<8sQQ")      # magic, base generation, base step
@@ -180,27 +182,50 @@ class Chunks:
         return [self.chunks, self.rows, self.tail]
 
 
-def chunks_of(grad: torch.Tensor) -> Chunks:
-    """The non-zero runs of ``grad``: copies of them, so ``grad`` may change afterwards."""
+def chunks_of(grad: torch.Tensor, support: Support | None = None) -> Chunks:
+    """The non-zero runs of ``grad``: copies of them, so ``grad`` may change afterwards.
+
+    ``support``: where ``grad`` may be non-zero (every element outside is ``+0.0``), as an
+    exchange of sparse blocks knows; then only the runs it touches are kept, with no pass
+    over the gradient (they may hold zeros: the record is exact either way).
+    """
     flat = grad.detach().reshape(-1)
     full = flat.numel() // CHUNK
     head = flat[:full * CHUNK]
-    bits = head.view(_BITS[flat.element_size()])
-    if flat.element_size() == 4 and bits.storage_offset() % 2 == 0:
-        bits = bits.view(torch.int64)   # two elements a word: half the reduction's work
-    if full:
-        low, high = torch.aminmax(bits.view(full, -1), dim=1)   # a run is zero iff its bits' min and max are
-        index = torch.nonzero(low.ne(0).logical_or_(high.ne(0))).view(-1)
+    if support is not None:
+        index = _runs_touched(support, full)
     else:
-        index = torch.zeros(0, dtype=torch.long)
-    if len(index) * 8 > full and flat.numel() < 2 ** 31:
-        # Many runs hold something: scattered elements (element-wise top-k) may be fewer bytes
-        # as positions and values; a dense update (low rank) is not.
-        positions = torch.nonzero(flat.view(_BITS[flat.element_size()])).view(-1)
-        if len(positions) * (4 + flat.element_size()) < len(index) * CHUNK * flat.element_size():
-            return Chunks(positions.to(torch.int32), flat[positions].view(-1, 1), flat[:0].clone(), flat.numel(), 1)
+        index = _non_zero_runs(head, full)
+        if len(index) * 8 > full and flat.numel() < 2 ** 31:
+            # Many runs hold something: scattered elements (element-wise top-k) may be fewer bytes
+            # as positions and values; a dense update (low rank) is not.
+            positions = torch.nonzero(flat.view(_BITS[flat.element_size()])).view(-1)
+            if len(positions) * (4 + flat.element_size()) < len(index) * CHUNK * flat.element_size():
+                return Chunks(positions.to(torch.int32), flat[positions].view(-1, 1), flat[:0].clone(),
+                              flat.numel(), 1)
     return Chunks(index.to(torch.int32), head.view(full, CHUNK).index_select(0, index),
                   flat[full * CHUNK:].clone(), flat.numel())
+
+
+def _non_zero_runs(head: torch.Tensor, full: int) -> torch.Tensor:
+    """The indices of the ``full`` runs of ``head`` that hold a non-zero bit: one min/max pass."""
+    if not full:
+        return torch.zeros(0, dtype=torch.long)
+    bits = head.view(_BITS[head.element_size()])
+    if head.element_size() == 4 and bits.storage_offset() % 2 == 0:
+        bits = bits.view(torch.int64)   # two elements a word: half the reduction's work
+    low, high = torch.aminmax(bits.view(full, -1), dim=1)   # a run is zero iff its bits' min and max are
+    return torch.nonzero(low.ne(0).logical_or_(high.ne(0))).view(-1)
+
+
+def _runs_touched(support: Support, full: int) -> torch.Tensor:
+    """The sorted indices of the ``full`` runs that ``support``'s element ranges touch."""
+    starts, lengths = support.ranges()
+    first = starts // CHUNK
+    counts = (starts + lengths - 1) // CHUNK - first + 1
+    ends = np.cumsum(counts)
+    runs = np.repeat(first - (ends - counts), counts) + np.arange(ends[-1] if len(ends) else 0)
+    return torch.from_numpy(np.unique(runs[runs < full]))   # sorted; the tail past the full runs is kept whole
 
 
 def dense(encoded: Chunks) -> torch.Tensor:

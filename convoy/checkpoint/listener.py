@@ -320,10 +320,11 @@ class CheckpointListener(Listener):
         order = bucket.layers if bucket is not None else layers   # the flat gradient's layer order
         names = [layer.name for layer in order]
 
-        def flat_grad() -> torch.Tensor:
-            if bucket is not None:
-                return bucket.flat_grad()   # the bucket's buffer: every p.grad is a view into it
-            return torch.cat([p.grad.reshape(-1) for layer in order for p in layer.params])
+        def flat_grad() -> tuple[torch.Tensor, Any]:
+            """The flat averaged gradient, and where it may be non-zero (None: anywhere)."""
+            if bucket is not None:   # the bucket's buffer: every p.grad is a view into it
+                return bucket.flat_grad(), bucket.support
+            return torch.cat([p.grad.reshape(-1) for layer in order for p in layer.params]), None
 
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             if any(self._held[index] for index in indices):
@@ -333,8 +334,8 @@ class CheckpointListener(Listener):
                 cpu = time.thread_time()
                 hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params" and _jsonable(v)}
                 # Only the non-zero runs, copied now: the engine zeroes the gradient right after the
-                # update. One pass over the bucket's bits; no dense copy, nothing left to scan.
-                update = difflog.BucketUpdate(names, hyper, difflog.chunks_of(flat_grad()))
+                # update. Where the exchange said which blocks it carried, only those are read.
+                update = difflog.BucketUpdate(names, hyper, difflog.chunks_of(*flat_grad()))
                 for index in indices:
                     self._grads[index] = (step, update)
                 used = time.thread_time() - cpu

@@ -1,7 +1,7 @@
 """Gradient compressors behind one interface (GRACE's layering)."""
 from __future__ import annotations
 
-from convoy.compress.base import Compressor, LayerInfo, Memory, NoMemory, ResidualMemory
+from convoy.compress.base import Compressor, LayerInfo, Memory, NoMemory, ResidualMemory, Support
 from convoy.compress.blocktopk import SELECTIONS, BlockTopKCompressor
 from convoy.compress.blocks import METRICS, BlockLayout
 from convoy.compress.fp16 import FP16Compressor
@@ -56,4 +56,4 @@ def build_compressor(name: str, *, blocks_per_layer: int | None = None, block_fr
 __all__ = ["COMPRESS_NAMES", "METRICS", "MOMENTUM_CORRECTED_NAMES", "SELECTIONS", "SPARSE_NAMES", "BlockLayout",
            "BlockTopKCompressor", "CodecError", "Compressor", "FP16Compressor", "IdentityCompressor", "LayerInfo",
            "Memory", "MomentumCorrection", "NoMemory", "PowerSGDCompressor",
-           "RandomKCompressor", "ResidualMemory", "TopKCompressor", "build_compressor"]
+           "RandomKCompressor", "ResidualMemory", "Support", "TopKCompressor", "build_compressor"]

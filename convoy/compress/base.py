@@ -5,6 +5,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 Payload = list[torch.Tensor]
@@ -46,6 +47,19 @@ class LayerInfo:
     density: float | None = None
     world_size: int = 1
     remote: bool = False
+
+
+class Support(ABC):
+    """Where a decoded flat gradient may hold non-zero values: every element outside
+    :meth:`ranges` is exactly ``+0.0``, so a consumer (a differential checkpoint's record)
+    can read those ranges instead of scanning the whole gradient. Computed only when asked:
+    the exchange that makes one pays nothing for it.
+    """
+
+    @abstractmethod
+    def ranges(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, lengths)``: int64 element ranges ``[start, start + length)``, each length
+        >= 1, possibly overlapping, in no particular order."""
 
 
 class Compressor(ABC):
@@ -91,6 +105,16 @@ class Compressor(ABC):
         rank; sparse compressors override it to touch only what they carry.
         """
         return out.add_(self.decompress(payload, ctx))
+
+    def decompress_sum(self, payloads: list[Payload], ctx: Any) -> tuple[torch.Tensor, Support | None]:
+        """The sum of the dense tensors of ``payloads``, added in the order given (so every rank
+        that adds the same payloads gets the identical sum), and where it may be non-zero
+        (None: anywhere). Sparse compressors that know their blocks say where.
+        """
+        total = self.decompress(payloads[0], ctx)
+        for payload in payloads[1:]:
+            self.decompress_add(payload, ctx, total)
+        return total, None
 
     def more_rounds(self, ctx: Any) -> bool:
         """Whether the payload just made is an intermediate round (PowerSGD's P before its Q).

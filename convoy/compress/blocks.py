@@ -21,7 +21,10 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
+
+from convoy.compress.base import Support
 
 METRICS = ("l1", "l2")
 
@@ -221,6 +224,17 @@ class BlockLayout:
             raise ValueError(f"out holds {out.numel()} values, the layout {self.numel}")
         return self._place(values, kept, out, add=True)
 
+    def support(self, *kept: Sequence[torch.Tensor]) -> "KeptBlocks":
+        """Where a sum of payloads that kept these blocks (sorted indices per segment, one list
+        per payload) may be non-zero.
+
+        Example::
+
+            >>> BlockLayout([(2, 3), (2,)]).support([torch.tensor([1]), torch.tensor([0, 1])]).ranges()[0].tolist()
+            [3, 6, 7]
+        """
+        return KeptBlocks(self, kept)
+
     def _place(self, values: torch.Tensor, kept: Sequence[torch.Tensor], out: torch.Tensor,
                add: bool) -> torch.Tensor:
         start = 0
@@ -235,3 +249,24 @@ class BlockLayout:
         if start != values.numel():
             raise ValueError(f"{values.numel()} values for {start} kept elements")
         return out
+
+
+class KeptBlocks(Support):
+    """The blocks of a :class:`BlockLayout` that one or more payloads carried, as a :class:`Support`."""
+
+    def __init__(self, layout: BlockLayout, kept: Sequence[Sequence[torch.Tensor]]):
+        self.layout, self.kept = layout, kept
+
+    def ranges(self) -> tuple[np.ndarray, np.ndarray]:
+        segments = self.layout.segments
+        offsets = np.array([s.offset for s in segments], dtype=np.int64)
+        sizes = np.array([s.block_size for s in segments], dtype=np.int64)
+        starts, lengths = [], []
+        for kept in self.kept:
+            counts = [idx.numel() for idx in kept]
+            blocks = torch.cat(list(kept)).numpy().astype(np.int64) if sum(counts) else np.zeros(0, np.int64)
+            block_sizes = np.repeat(sizes, counts)
+            starts.append(np.repeat(offsets, counts) + blocks * block_sizes)
+            lengths.append(block_sizes)
+        empty = np.zeros(0, dtype=np.int64)
+        return (np.concatenate(starts) if starts else empty), (np.concatenate(lengths) if lengths else empty)

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from convoy.compress import rle
-from convoy.compress.base import Compressor, LayerInfo, Payload
+from convoy.compress.base import Compressor, LayerInfo, Payload, Support
 from convoy.compress.blocks import METRICS, BlockLayout
 
 SELECTIONS = ("local", "global")
@@ -106,6 +106,13 @@ class BlockTopKCompressor(Compressor):
             layout, kept = ctx
             return layout.scatter_add(payload[0], kept, out)
         return rle.decode_add(payload[0], out, ctx[0].shapes, self.block_size)
+
+    def decompress_sum(self, payloads: list[Payload], ctx: Any) -> tuple[torch.Tensor, Support | None]:
+        if self.selection == "global":
+            total, _ = super().decompress_sum(payloads, ctx)
+            layout, kept = ctx
+            return total, layout.support(kept)
+        return rle.decode_sum([payload[0] for payload in payloads], ctx[0].shapes, self.block_size)
 
     def max_payload_bytes(self, ctx: Any) -> int | None:
         if self.selection == "global":

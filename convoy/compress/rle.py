@@ -30,6 +30,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from convoy.compress.base import Support
 from convoy.compress.blocks import BlockLayout
 
 MAGIC = b"CVRL"
@@ -144,6 +145,22 @@ def decode_add(payload: torch.Tensor, out: torch.Tensor, expected_shapes: Sequen
     """
     layout, values, indices = _parse(payload, expected_shapes, expected_block_size)
     return layout.scatter_add(values, indices, out)
+
+
+def decode_sum(payloads: Sequence[torch.Tensor], expected_shapes: Sequence[Sequence[int]] | None = None,
+               expected_block_size: int | None = None) -> tuple[torch.Tensor, Support]:
+    """The sum of what :func:`decode` returns for each of ``payloads``, added in order, and the
+    blocks they carry (zeros elsewhere), as found while decoding.
+
+    Raises:
+        CodecError: as :func:`decode`, for any of the payloads.
+    """
+    total, kept = None, []
+    for payload in payloads:
+        layout, values, indices = _parse(payload, expected_shapes, expected_block_size)
+        total = layout.scatter(values, indices) if total is None else layout.scatter_add(values, indices, total)
+        kept.append(indices)
+    return total, layout.support(*kept)
 
 
 def _parse(payload: torch.Tensor, expected_shapes: Sequence[Sequence[int]] | None,

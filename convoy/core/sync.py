@@ -21,13 +21,22 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+if TYPE_CHECKING:
+    from convoy.compress import Support
+
 
 class PendingSync(ABC):
-    """An exchange in flight for one layer."""
+    """An exchange in flight for one layer.
+
+    After :meth:`wait`, ``support`` may say where the averaged gradient can be non-zero
+    (a :class:`convoy.compress.Support`; None: anywhere).
+    """
+
+    support: Support | None = None
 
     @abstractmethod
     def is_done(self) -> bool:
@@ -155,8 +164,8 @@ class SyncStrategy(ABC):
 class Done(PendingSync):
     """An exchange that needed no communication (a world of one)."""
 
-    def __init__(self, result: torch.Tensor):
-        self._result = result
+    def __init__(self, result: torch.Tensor, support: Support | None = None):
+        self._result, self.support = result, support
 
     def is_done(self) -> bool:
         return True

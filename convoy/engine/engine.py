@@ -374,7 +374,7 @@ class Engine:
                 bucket.set_params(result)
             self._update_bucket(bucket, step, apply=False)
             return
-        bucket.set_grads(result)
+        bucket.set_grads(result, pending.support)
         if self.gate is not None:
             exchanged.append(bucket)
             return

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from convoy.compress import Support
 
 
 @dataclass(eq=False)
@@ -39,6 +43,8 @@ class Bucket:
     layers: list[Layer]
     _buffer: torch.Tensor | None = field(default=None, repr=False)  # backs every p.grad
     _views: list[tuple[nn.Parameter, int, int, int]] = field(default_factory=list, repr=False)
+    # Where this step's averaged gradient may be non-zero, when the exchange knew (see set_grads).
+    support: Support | None = field(default=None, repr=False)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -80,8 +86,11 @@ class Bucket:
                 p.grad = self._buffer[offset:offset + numel].view_as(p)
         return self._buffer
 
-    def set_grads(self, flat: torch.Tensor) -> None:
-        """Point ``p.grad`` at the averaged gradient ``flat`` for the optimizer step."""
+    def set_grads(self, flat: torch.Tensor, support: Support | None = None) -> None:
+        """Point ``p.grad`` at the averaged gradient ``flat`` for the optimizer step; ``support``:
+        where ``flat`` may be non-zero (kept until :meth:`reset_grads`; scaling the gradient in
+        place keeps it true)."""
+        self.support = support
         if flat.data_ptr() == self._buffer.data_ptr():
             return
         self._buffer.copy_(flat)
@@ -96,6 +105,7 @@ class Bucket:
 
     def reset_grads(self) -> None:
         """Zero the buffer so the next backward accumulates this step's gradient afresh."""
+        self.support = None
         self._buffer.zero_()
 
 

@@ -58,7 +58,7 @@ class _Pushes(PendingSync):
                                                        self.step)
         job.codec.forget(self.layer, self.step)
         rows = [owner._row(worker, self.layer, self.step)[:width] for worker in workers]   # worker order: a fixed sum
-        grad = sum_rows(compressor, rows, dtypes, ctx).div_(len(workers))
+        grad = sum_rows(compressor, rows, dtypes, ctx)[0].div_(len(workers))
         with owner._waiter.cond:
             owner._complete.discard((self.layer, self.step))
         owner._update_start[self.layer] = time.time()

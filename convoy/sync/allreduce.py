@@ -6,7 +6,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from convoy.compress import Compressor, IdentityCompressor, LayerInfo, Memory, NoMemory
+from convoy.compress import Compressor, IdentityCompressor, LayerInfo, Memory, NoMemory, Support
 from convoy.sync.base import Done, PendingSync, SyncStrategy
 from convoy.sync.rows import pack_row, row_extent, sum_rows
 
@@ -24,7 +24,9 @@ def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
 
 
 class _PendingAllReduce(PendingSync):
-    def __init__(self, work: Any, finish: Callable[[], torch.Tensor]):
+    """``finish`` turns what the collective received into the average and its support."""
+
+    def __init__(self, work: Any, finish: Callable[[], tuple[torch.Tensor, Support | None]]):
         self._work = work
         self._finish = finish
 
@@ -33,10 +35,14 @@ class _PendingAllReduce(PendingSync):
 
     def wait(self) -> torch.Tensor:
         self._work.wait()
-        return self._finish()
+        return self._average()
 
     def future(self) -> torch.futures.Future:
-        return self._work.get_future().then(lambda _: self._finish())
+        return self._work.get_future().then(lambda _: self._average())
+
+    def _average(self) -> torch.Tensor:
+        average, self.support = self._finish()
+        return average
 
 
 class AllReduce(SyncStrategy):
@@ -160,7 +166,7 @@ class AllReduce(SyncStrategy):
 
     def _exchange(self, compressor: Compressor, payload: Any, ctx: Any) -> PendingSync:
         if self.world_size == 1:
-            return Done(compressor.decompress(payload, ctx))
+            return Done(*compressor.decompress_sum([payload], ctx))
         if compressor.summable:
             return self._all_reduce(compressor, payload, ctx)
         return self._all_gather(compressor, payload, ctx)
@@ -171,8 +177,9 @@ class AllReduce(SyncStrategy):
         moved = ring_allreduce_bytes(wire.numel() * wire.element_size(), self.world_size)
         self._count(moved, moved)
 
-        def finish() -> torch.Tensor:
-            return compressor.decompress([wire], ctx).div_(self.world_size)
+        def finish() -> tuple[torch.Tensor, Support | None]:
+            total, support = compressor.decompress_sum([[wire]], ctx)
+            return total.div_(self.world_size), support
 
         return _PendingAllReduce(work, finish)
 
@@ -187,8 +194,9 @@ class AllReduce(SyncStrategy):
         moved = (self.world_size - 1) * width
         self._count(moved, moved)
 
-        def finish() -> torch.Tensor:
-            return sum_rows(compressor, rows, dtypes, ctx).div_(self.world_size)
+        def finish() -> tuple[torch.Tensor, Support | None]:
+            total, support = sum_rows(compressor, rows, dtypes, ctx)
+            return total.div_(self.world_size), support
 
         return _PendingAllReduce(work, finish)
 

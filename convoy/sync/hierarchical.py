@@ -275,7 +275,7 @@ class Hierarchical(AllReduce):
         others = len(self.members) - 1
 
         def average(rows: list[torch.Tensor]) -> torch.Tensor:
-            return sum_rows(compressor, rows, dtypes, ctx).div_(len(rows))
+            return sum_rows(compressor, rows, dtypes, ctx)[0].div_(len(rows))
 
         if self.rank != server:
             relayed = torch.empty(others * width, dtype=torch.uint8)

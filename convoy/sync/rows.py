@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from convoy.compress.base import Compressor
+from convoy.compress.base import Compressor, Support
 
 
 def row_extent(payload: list[torch.Tensor]) -> tuple[int, int]:
@@ -44,15 +44,12 @@ def unpack_row(row: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Tenso
 
 
 def sum_rows(compressor: Compressor, rows: Sequence[torch.Tensor], dtypes: list[torch.dtype],
-             ctx: Any) -> torch.Tensor:
-    """The sum of the dense tensors the ``rows`` carry, added in the order given.
+             ctx: Any) -> tuple[torch.Tensor, Support | None]:
+    """The sum of the dense tensors the ``rows`` carry, added in the order given, and where it
+    may be non-zero (:meth:`Compressor.decompress_sum`).
 
     Every rank adds the same rows in the same order, so every rank gets the
-    identical sum. One dense tensor is built; the other rows are added into it
-    (``Compressor.decompress_add``), which for sparse payloads touches only
-    what they carry.
+    identical sum. One dense tensor is built; the other rows are added into it,
+    which for sparse payloads touches only what they carry.
     """
-    total = compressor.decompress(unpack_row(rows[0], dtypes), ctx)
-    for row in rows[1:]:
-        compressor.decompress_add(unpack_row(row, dtypes), ctx, total)
-    return total
+    return compressor.decompress_sum([unpack_row(row, dtypes) for row in rows], ctx)

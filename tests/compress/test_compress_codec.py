@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from convoy.compress import BlockLayout
-from convoy.compress.rle import CodecError, decode, decode_add, encode, max_encoded_bytes
+from convoy.compress.rle import CodecError, decode, decode_add, decode_sum, encode, max_encoded_bytes
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 shapes_st = st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple), min_size=0, max_size=4)
@@ -60,6 +60,31 @@ def test_decode_add_equals_adding_the_decoded_tensor(case):
     base = torch.randn(layout.numel).to(flat.dtype)
     assert torch.equal(decode_add(payload, base.clone(), layout.shapes, layout.block_size),
                        base + decode(payload, layout.shapes, layout.block_size))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(sparse_layers(), min_size=1, max_size=3), st.data())
+def test_decode_sum_adds_in_order_and_its_support_covers_every_non_zero(cases, data):
+    """Several ranks' payloads of one layout: the sum is bit for bit decode then decode_add in
+    order, and every element outside the support's ranges is +0.0 (its bits are zero)."""
+    layout, flat, _ = cases[0]
+    payloads = []
+    for _, other, kept in cases:
+        kept = [torch.tensor(sorted(data.draw(st.sets(st.integers(0, s.blocks - 1)))) if s.blocks else [],
+                             dtype=torch.int64) for s in layout.segments]
+        payloads.append(encode(torch.randn(layout.numel).to(flat.dtype), layout, kept))
+    total, support = decode_sum(payloads, layout.shapes, layout.block_size)
+    expected = decode(payloads[0], layout.shapes, layout.block_size)
+    for payload in payloads[1:]:
+        decode_add(payload, expected, layout.shapes, layout.block_size)
+    assert torch.equal(total, expected)
+    starts, lengths = support.ranges()
+    assert (lengths >= 1).all() and (starts + lengths <= layout.numel).all()
+    outside = torch.ones(layout.numel, dtype=torch.bool)
+    for start, length in zip(starts.tolist(), lengths.tolist()):
+        outside[start:start + length] = False
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[total.element_size()]
+    assert not total.view(bits)[outside].any()
 
 
 def test_named_cases_empty_all_zero_all_kept_one_block():

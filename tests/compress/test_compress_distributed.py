@@ -96,6 +96,32 @@ def test_every_rank_holds_identical_parameters_and_momentum_after_50_sparse_step
     assert max(results[0]["blocktopk"][2]) < 10_000
 
 
+def _support_worker(rank: int, world: int):
+    """Each selection's average of random gradients and the support its exchange reported."""
+    shapes = (torch.Size([16, 3, 3, 3]), torch.Size([16]), torch.Size([10, 40]))
+    out = {}
+    for selection in ("local", "global"):
+        sync = AllReduce(dist.new_group(), BlockTopKCompressor(fraction=0.2, selection=selection), ResidualMemory())
+        grad = torch.randn(sum(s.numel() for s in shapes), generator=torch.Generator().manual_seed(rank))
+        pending = sync.start_flat(0, shapes, grad)
+        average = pending.wait()
+        out[selection] = (average, *pending.support.ranges())
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_sparse_exchange_reports_where_its_average_may_be_non_zero():
+    """The differential checkpoint reads only the support: every non-zero of the average lies in it."""
+    for results in run_workers(_support_worker, 3):
+        for selection, (average, starts, lengths) in results.items():
+            inside = torch.zeros(average.numel(), dtype=torch.bool)
+            for start, length in zip(starts.tolist(), lengths.tolist()):
+                inside[start:start + length] = True
+            assert average.count_nonzero() > 0, selection
+            assert not average.view(torch.int32)[~inside].any(), selection
+            assert inside.sum() < average.numel(), selection
+
+
 @pytest.mark.parametrize("args,expected", [
     (["--blocks-per-layer", "0"], "--blocks-per-layer must be >= 1"),
     (["--block-fraction", "1.5"], "--block-fraction must be in (0, 1]"),
