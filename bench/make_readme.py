@@ -522,7 +522,7 @@ BLOCKS: tuple[Block, ...] = (
           "--compress blocktopk --modes none convoy --tag ab",
           "no checkpoint, the two modes alternating twenty times", _checkpoint("checkpoint_blocktopk_ab")),
     Block("checkpoint_blocktopk_long", "Differential checkpoints against none, long enough for full snapshots",
-          ("checkpoint_blocktopk_long",), "python bench/checkpoint.py --models resnet18 --steps 110 --rounds 6 "
+          ("checkpoint_blocktopk_long",), "python bench/checkpoint.py --models resnet18 --steps 110 --rounds 3 "
           "--compress blocktopk --modes none convoy --tag long",
           "no checkpoint, alternating; 110 steps a round, so the full snapshots the listener spaces count",
           _checkpoint("checkpoint_blocktopk_long")),
