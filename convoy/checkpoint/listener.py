@@ -194,6 +194,7 @@ class CheckpointListener(Listener):
         self.model_store, self.rank_store = model_store, rank_store
         self._model_gen, self._rank_gen = model_generation, rank_generation
         self._last_rank_step = max(rank_store.committed_steps(), default=-1) if rank_store else -1
+        self._last_model_step = max(model_store.committed_steps(), default=-1) if model_store else -1
         self._timeout = peer_timeout_s
         self._full_names = full_names
         self._auto_full = _AutoFullInterval(budget) if full_every == "auto" else None
@@ -483,6 +484,10 @@ class CheckpointListener(Listener):
         generation = self._model_gen + 1
         area = generation % AREAS
         if not checksums:   # first layer of this checkpoint: the area is no longer a valid one
+            for writer in self.other_writers:
+                # The area holds this file's older step: another model file must hold the newer one
+                # before it goes, or a crash now would leave no step that every file holds.
+                self._await_peer(model_file(self.directory, writer), self._last_model_step)
             store.invalidate(area)
             if self.full_every:   # this area's log extended the snapshot being overwritten
                 DiffLog.start(log_path(store.path, area), generation, step + 1).close()
@@ -555,7 +560,7 @@ class CheckpointListener(Listener):
                               {"signature": layout.signature(), "optimizer_meta": metas,
                                "time": time.time(), **extra})
         self.model_store.commit(area, record)
-        self._model_gen = generation
+        self._model_gen, self._last_model_step = generation, done
         if self.full_every:
             if self._log is not None:
                 self._log.close()
