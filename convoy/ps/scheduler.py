@@ -116,7 +116,13 @@ class SliceScheduler:
         self.credit_bytes, self.fifo, self.acked = credit_bytes, fifo, acked
         self.issued: list[Transfer] | None = [] if record else None
         self._name = name
-        self._cond = threading.Condition()
+        # One lock; each waiter has its own condition on it, so a completed send wakes the issuing
+        # thread and drain(), not every peer's completion thread (on two shared cores a wake-up
+        # of every thread per slice cost the job more CPU than its sends).
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)         # the issuing thread: work or credit
+        self._drained = threading.Condition(self._lock)      # drain(): nothing queued or in flight
+        self._route_ready: dict[tuple[int, int], threading.Condition] = {}   # a route's completion thread
         self._queue: list[_Queued] = []   # sorted by key
         self._in_flight: dict[tuple[int, int], deque] = {}   # route -> (transfer, works, issue time), in order
         self._peer_bytes: dict[tuple[int, int], int] = {}    # route -> bytes issued and not yet completed
@@ -142,7 +148,7 @@ class SliceScheduler:
             self._raise_if_failed()
             for transfer in transfers:
                 bisect.insort(self._queue, _Queued(self._key(transfer, next(self._counter)), transfer))
-            self._cond.notify_all()
+            self._cond.notify()
 
     def _key(self, transfer: Transfer, order: int) -> tuple:
         """Queue order: stop marks last; FIFO by arrival; otherwise the older step first, then priority.
@@ -159,7 +165,7 @@ class SliceScheduler:
 
     def drain(self) -> None:
         """Block until every submitted transfer has completed."""
-        wait_until(self._cond, lambda: not (self._queue or self._issuing or any(self._in_flight.values()))
+        wait_until(self._drained, lambda: not (self._queue or self._issuing or any(self._in_flight.values()))
                    or self.error is not None)
         with self._cond:
             self._raise_if_failed()
@@ -171,7 +177,7 @@ class SliceScheduler:
         finally:
             with self._cond:
                 self._stopping = True
-                self._cond.notify_all()
+                self._wake_all()
                 threads = list(self._threads)
             for thread in threads:
                 thread.join(timeout=5 * POLL_S)
@@ -188,8 +194,13 @@ class SliceScheduler:
             except BaseException as exc:  # callers re-raise it
                 with self._cond:
                     self.error = exc
-                    self._cond.notify_all()
+                    self._wake_all()
         return run
+
+    def _wake_all(self) -> None:
+        """Wake every thread and waiter (stopping, or a thread failed); hold the lock."""
+        for cond in (self._cond, self._drained, *self._route_ready.values()):
+            cond.notify_all()
 
     def _next(self) -> int | None:
         """Position in the queue of the most urgent transfer whose peer has credit for it, else None.
@@ -232,13 +243,14 @@ class SliceScheduler:
                 route = transfer.route
                 if route not in self._in_flight:   # one completion thread per route: a slow peer
                     self._in_flight[route] = deque()   # holds back no other peer's (or lane's) credit
+                    self._route_ready[route] = threading.Condition(self._lock)
                     thread = threading.Thread(target=self._guard(lambda route=route: self._complete_loop(route)),
                                               name=f"{self._name}-done{route[0]}.{route[1]}", daemon=True)
                     self._threads.append(thread)
                     thread.start()
                 self._in_flight[route].append((transfer, works, issued_at))
                 self._issuing -= 1
-                self._cond.notify_all()
+                self._route_ready[route].notify()   # drain() cannot be done: the route has a send
 
     def _issue(self, transfer: Transfer) -> list:
         """Start ``transfer``'s sends (and the receive of its acknowledgement): the works to wait for."""
@@ -258,13 +270,13 @@ class SliceScheduler:
 
     def _complete_loop(self, route: tuple[int, int]) -> None:
         """Wait for the sends of ``route`` (peer, lane) in issue order and return their credit."""
-        in_flight = self._in_flight[route]
+        in_flight, ready = self._in_flight[route], self._route_ready[route]
         while True:
             with self._cond:
                 while not in_flight:
                     if self._stopping or self.error is not None:
                         return
-                    self._cond.wait(POLL_S)
+                    ready.wait(POLL_S)
                 transfer, works, issued_at = in_flight[0]
             try:
                 for work in works:
@@ -275,6 +287,7 @@ class SliceScheduler:
             with self._cond:
                 in_flight.popleft()
                 self._peer_bytes[route] -= transfer.nbytes
-                self._cond.notify_all()
+                self._cond.notify()
+                self._drained.notify_all()
             if transfer.on_sent is not None:
                 transfer.on_sent(transfer, issued_at, done_at)
