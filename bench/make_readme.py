@@ -208,6 +208,12 @@ def _sparse_accuracy_seeds() -> str:
                    times(r["ratio_to_dense"])] for r in rows])
 
 
+def _staleness_rules() -> str:
+    rows = rows_of("staleness_rules")
+    return table(["rule", "seed", "steps to 97%", "best accuracy", "last accuracy"],
+                 [[r["variant"], str(r["seed"]), number(r.get("steps_to_target"), "not reached"), percent(r["best_accuracy"]), percent(r["final_accuracy"])] for r in rows])
+
+
 def _time_to_accuracy(*names: str, reference: str | None = None) -> Callable[[], str]:
     """Rows of time_to_accuracy files; ``reference`` supplies the dense row where a file has none."""
     def render() -> str:
@@ -594,6 +600,9 @@ BLOCKS: tuple[Block, ...] = (
           "--tag straggler --strategies dense ps-colocated ps-colocated-s2",
           "convoy's all-reduce (dense) in the same run; ps-colocated-s2 is --staleness 2",
           _time_to_accuracy("time_to_accuracy_vgg_fc_100mbit_straggler"), emulated=True),
+    Block("staleness_rules", "What a fixed delay of 2 steps costs vgg_fc, simulated in one process",
+          ("staleness_rules",), "python bench/staleness_rules.py",
+          "the synchronous rule (staleness 0) on the same seeds", _staleness_rules),
     Block("tta_lenet_100mbit", "Time to 97%: lenet, 4 hosts at 100 Mbit", ("time_to_accuracy_lenet_100mbit",),
           "python bench/time_to_accuracy.py --model lenet --lr 0.05 --batch-size 32 --steps 600 --eval-every 20 "
           "--rate 100mbit", "torch DDP and DDP + PowerSGD",
