@@ -208,6 +208,13 @@ def _sparse_accuracy_seeds() -> str:
                    times(r["ratio_to_dense"])] for r in rows])
 
 
+def _ps_settings() -> str:
+    rows = rows_of("ps_settings_vgg_fc_100mbit")
+    return table(["setting", "step", "step / all-reduce step", "step / ps defaults' step"],
+                 [[r["setting"], seconds(r.get("step_s")) if "error" not in r else f"failed: {r['error']}",
+                   times(r.get("vs_all_reduce")), times(r.get("vs_ps_defaults"))] for r in rows])
+
+
 def _staleness_rules() -> str:
     rows = rows_of("staleness_rules")
     return table(["rule", "seed", "steps to 97%", "best accuracy", "last accuracy"],
@@ -600,6 +607,10 @@ BLOCKS: tuple[Block, ...] = (
           "--tag straggler --strategies dense ps-colocated ps-colocated-s2",
           "convoy's all-reduce (dense) in the same run; ps-colocated-s2 is --staleness 2",
           _time_to_accuracy("time_to_accuracy_vgg_fc_100mbit_straggler"), emulated=True),
+    Block("ps_settings", "The colocated step under its transfer settings, vgg_fc, 4 hosts at 100 Mbit",
+          ("ps_settings_vgg_fc_100mbit",), "python bench/ps_settings.py --hosts 4 --rate 100mbit --model vgg_fc "
+          "--steps 25", "convoy's ring all-reduce and the ps defaults, in the same run", _ps_settings,
+          emulated=True),
     Block("staleness_rules", "What a fixed delay of 2 steps costs vgg_fc, simulated in one process",
           ("staleness_rules",), "python bench/staleness_rules.py",
           "the synchronous rule (staleness 0) on the same seeds", _staleness_rules),
