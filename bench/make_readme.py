@@ -218,7 +218,8 @@ def _ps_settings() -> str:
 def _staleness_rules() -> str:
     rows = rows_of("staleness_rules")
     return table(["rule", "seed", "steps to 97%", "best accuracy", "last accuracy"],
-                 [[r["variant"], str(r["seed"]), number(r.get("steps_to_target"), "not reached"), percent(r["best_accuracy"]), percent(r["final_accuracy"])] for r in rows])
+                 [[r["variant"], str(r["seed"]), number(r.get("steps_to_target"), "not reached"),
+                   percent(r["best_accuracy"]), percent(r["final_accuracy"])] for r in rows])
 
 
 def _time_to_accuracy(*names: str, reference: str | None = None) -> Callable[[], str]:

@@ -20,28 +20,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import save  # noqa: E402
-from bench.time_to_accuracy import _launcher, step_figures  # noqa: E402
+from bench.time_to_accuracy import launcher, step_figures  # noqa: E402
 
 DEFAULT = "ps, defaults"
-# name -> convoy train options
-SETTINGS: dict[str, list[str]] = {
-    "all-reduce": ["--sync", "allreduce"],
-    DEFAULT: ["--sync", "ps"],
-    "ps, 128 KB slices, 256 KB window": ["--sync", "ps", "--slice-kb", "128", "--credit-kb", "256"],
-    "ps, 1 MB slices, 2 MB window": ["--sync", "ps", "--slice-kb", "1024", "--credit-kb", "2048"],
-    "ps, 256 KB window": ["--sync", "ps", "--credit-kb", "256"],
-    "ps, 1 MB window": ["--sync", "ps", "--credit-kb", "1024"],
-    "ps, 1 channel": ["--sync", "ps", "--channels", "1"],
-    "ps, 3 channels": ["--sync", "ps", "--channels", "3"],
-    "ps, fifo": ["--sync", "ps", "--priority", "fifo"],
+# --settings key -> (the row's name, convoy train options)
+SETTINGS: dict[str, tuple[str, list[str]]] = {
+    "all-reduce": ("all-reduce", ["--sync", "allreduce"]),
+    "ps": (DEFAULT, ["--sync", "ps"]),
+    "ps-small": ("ps, 128 KB slices, 256 KB window", ["--sync", "ps", "--slice-kb", "128", "--credit-kb", "256"]),
+    "ps-large": ("ps, 1 MB slices, 2 MB window", ["--sync", "ps", "--slice-kb", "1024", "--credit-kb", "2048"]),
+    "ps-window-256": ("ps, 256 KB window", ["--sync", "ps", "--credit-kb", "256"]),
+    "ps-window-1024": ("ps, 1 MB window", ["--sync", "ps", "--credit-kb", "1024"]),
+    "ps-1-channel": ("ps, 1 channel", ["--sync", "ps", "--channels", "1"]),
+    "ps-3-channels": ("ps, 3 channels", ["--sync", "ps", "--channels", "3"]),
+    "ps-fifo": ("ps, fifo", ["--sync", "ps", "--priority", "fifo"]),
 }
 
 
-def run_setting(name: str, args: argparse.Namespace, out: Path) -> dict:
-    command = ["train", *SETTINGS[name], "--model", args.model, "--lr", str(args.lr), "--batch-size",
+def run_setting(key: str, args: argparse.Namespace, out: Path) -> dict:
+    name, options = SETTINGS[key]
+    command = ["train", *options, "--model", args.model, "--lr", str(args.lr), "--batch-size",
                str(args.batch_size), "--steps", str(args.steps), "--eval-every", "0", "--no-progress",
                "--out", str(out)]
-    result = subprocess.run(_launcher(command, args.hosts, args.rate), capture_output=True, text=True)
+    result = subprocess.run(launcher(command, args.hosts, args.rate), capture_output=True, text=True)
     if result.returncode != 0:
         return {"setting": name, "error": result.stderr.strip().splitlines()[-1] if result.stderr else "failed"}
     return {"setting": name, **step_figures(out, skip=2)}
@@ -59,8 +60,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, name in enumerate(args.settings):
-            rows.append(run_setting(name, args, Path(tmp, str(i))))
+        for i, key in enumerate(args.settings):
+            rows.append(run_setting(key, args, Path(tmp, str(i))))
             print(rows[-1], flush=True)
     steps = {r["setting"]: r.get("step_s") for r in rows}
     for row in rows:

@@ -61,7 +61,7 @@ def run_strategy(name: str, args: argparse.Namespace, out: Path) -> dict:
     if own and args.warmup_steps is not None:
         own += ["--warmup-steps", str(args.warmup_steps)]
     command = STRATEGIES[name] + common + own
-    result = subprocess.run(_launcher(command, args.hosts, args.rate, args.cluster), capture_output=True, text=True)
+    result = subprocess.run(launcher(command, args.hosts, args.rate, args.cluster), capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{result.stderr[-3000:]}")
     evals = [r for r in _records(out / "metrics-rank0.jsonl") if r["kind"] == "eval"]
@@ -99,7 +99,7 @@ def step_figures(out: Path, skip: int = 1) -> dict:
     return {"step_s": statistics.mean(means), "MB_sent/step": statistics.mean(sent) / 1e6}
 
 
-def _launcher(command: list[str], hosts: int, rate: str, cluster: str | None = None) -> list[str]:
+def launcher(command: list[str], hosts: int, rate: str, cluster: str | None = None) -> list[str]:
     """``command`` on ``hosts`` emulated hosts (``cluster``: a cluster file that describes them, slow
     hosts included), or as ``hosts`` local processes when ``rate`` is loopback."""
     if cluster:

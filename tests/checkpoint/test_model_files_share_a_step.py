@@ -51,4 +51,4 @@ def test_a_writer_ahead_keeps_the_step_the_other_model_file_holds(tmp_path):
     ahead = _writer(tmp_path, 0, 3, [1])
     with pytest.raises(CheckpointError, match=r"model-rank1\.ckpt did not reach step 2"):
         ahead.close()
-    assert _steps(tmp_path, 0) == [1, 2]   # without the wait: [2, 3], no step in both files
+    assert _steps(tmp_path, 0) == [1, 2]   # without the wait the step-1 area went: no step in both files
