@@ -25,6 +25,8 @@ from bench.common import RESULTS, save  # noqa: E402
 
 PEER = str(Path(__file__).resolve().parent / "peers" / "ddp_train.py")
 TWO_RACKS = str(Path(__file__).resolve().parent / "two_racks.toml")
+# Stands for the shares convoy.ps.sharding.link_shares gives the cluster's links.
+LINK_SHARES = "<link shares>"
 
 # name -> how the ranks are started (after `convoy bench cluster ... --`).
 STRATEGIES: dict[str, list[str]] = {
@@ -47,6 +49,10 @@ STRATEGIES: dict[str, list[str]] = {
     "ps-colocated-fifo": ["train", "--sync", "ps", "--servers", "colocated", "--priority", "fifo"],
     # Bounded staleness (the forward of step t on the parameters of step t - 2), for the straggler bench.
     "ps-colocated-s2": ["train", "--sync", "ps", "--servers", "colocated", "--staleness", "2"],
+    # Shares of the parameters fitted to the hosts' links (a host on a slow link serves almost nothing).
+    "ps-colocated-by-link": ["train", "--sync", "ps", "--servers", "colocated", "--shard-weights", LINK_SHARES],
+    "ps-colocated-s2-by-link": ["train", "--sync", "ps", "--servers", "colocated", "--staleness", "2",
+                                "--shard-weights", LINK_SHARES],
     "ddp": [PEER],
     "powersgd": [PEER, "--powersgd-rank", "2"],
 }
@@ -60,7 +66,7 @@ def run_strategy(name: str, args: argparse.Namespace, out: Path) -> dict:
     own = ["--no-progress"] if STRATEGIES[name][0] == "train" else []
     if own and args.warmup_steps is not None:
         own += ["--warmup-steps", str(args.warmup_steps)]
-    command = STRATEGIES[name] + common + own
+    command = [link_shares(args) if word == LINK_SHARES else word for word in STRATEGIES[name]] + common + own
     result = subprocess.run(launcher(command, args.hosts, args.rate, args.cluster), capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{result.stderr[-3000:]}")
@@ -97,6 +103,16 @@ def step_figures(out: Path, skip: int = 1) -> dict:
         means.append(statistics.mean(r["wall_s"] for r in whole if r["step"] not in after_eval))
         sent.append(statistics.mean(r["bytes_sent"] + r.get("link_bytes_sent", 0) for r in steps))
     return {"step_s": statistics.mean(means), "MB_sent/step": statistics.mean(sent) / 1e6}
+
+
+def link_shares(args: argparse.Namespace) -> str:
+    """``--shard-weights`` for the hosts of ``args.cluster`` (equal shares for hosts on equal links)."""
+    from convoy.ps.sharding import link_shares as shares
+    from convoy.sim.cluster import load_cluster
+
+    cluster = load_cluster(args.cluster) if args.cluster else None
+    rates = (cluster.rates or [cluster.rate_bps] * cluster.nodes) if cluster else [1.0] * args.hosts
+    return ",".join(f"{share:.4f}" for share in shares(rates))
 
 
 def launcher(command: list[str], hosts: int, rate: str, cluster: str | None = None) -> list[str]:

@@ -26,7 +26,9 @@ COMMAND is `train [convoy train options]`, `profile-nodes [options]` or
   convoy bench cluster --cluster straggler.toml -- train --model vgg_fc
 
 --cluster FILE reads the hosts from a cluster file in the keys of
-`convoy simulate --cluster` (nodes, rate, racks, inter_rack_rate, speeds).
+`convoy simulate --cluster` (nodes, rate or rates, racks, inter_rack_rate, speeds).
+`rates = ["100mbit", "100mbit", "100mbit", "25mbit"]` puts the last host on a
+slower link (shaped both ways).
 `speeds = [1, 1, 1, 0.25]` makes the last host a straggler: its processes get a
 quarter of the CPU share of the others (a cgroup CPU cap). The simulator's
 latency_ms, wake_ms, cores and lanes have no effect here.
@@ -96,11 +98,13 @@ def _topology(args: argparse.Namespace) -> Topology:
     if given:
         raise UsageError(f"--cluster FILE describes the hosts; drop {', '.join(given)} or drop --cluster")
     cluster = load_cluster(args.cluster)
-    return Topology(cluster.nodes, cluster.rate_bps, cluster.racks, cluster.inter_rack_bps, cluster.speeds)
+    return Topology(cluster.nodes, cluster.rate_bps, cluster.racks, cluster.inter_rack_bps, cluster.speeds,
+                    cluster.rates if len(set(cluster.rates)) > 1 else ())
 
 
 def _describe(topology: Topology) -> str:
-    links = f"{topology.host_rate / 1e6:g} Mbit/s host links"
+    rates = sorted({topology.rate_of(h) for h in range(topology.hosts)})
+    links = "/".join(f"{rate / 1e6:g}" for rate in rates) + " Mbit/s host links"
     if topology.racks > 1:
         links += f", {topology.inter_rack_rate / 1e6:g} Mbit/s between racks"
     slow = [f"host {h} at {topology.relative_speed(h):g}x" for h in range(topology.hosts)

@@ -116,8 +116,8 @@ class EmulatedCluster:
         _run("ip", "-n", self.switch, "link", "set", port, "master", f"br{self.topology.rack_of(host)}", "up")
         _run("ip", "-n", ns, "addr", "add", f"{self.topology.address(host)}/24", "dev", "eth0")
         _run("ip", "-n", ns, "link", "set", "eth0", "up")
-        _shape(ns, "eth0", self.topology.host_rate)
-        _shape(self.switch, port, self.topology.host_rate)
+        _shape(ns, "eth0", self.topology.rate_of(host))
+        _shape(self.switch, port, self.topology.rate_of(host))
 
     def _link_racks(self, a: int, b: int) -> None:
         end_a, end_b = f"r{a}to{b}", f"r{b}to{a}"

@@ -44,7 +44,9 @@ class Topology:
 
     ``speeds`` (optional, one per host) makes hosts compute slower than the
     fastest: a host of speed 0.25 next to hosts of speed 1 gets a quarter of
-    their share of the machine's cores (a straggler).
+    their share of the machine's cores (a straggler). ``host_rates`` (optional,
+    one per host, bits/s) gives hosts links of their own rates instead of
+    ``host_rate`` (a host on a slower link).
 
     Example::
 
@@ -52,6 +54,8 @@ class Topology:
         1
         >>> Topology(hosts=4, host_rate=1e8, speeds=(1, 1, 1, 0.25)).relative_speed(3)
         0.25
+        >>> Topology(hosts=2, host_rate=1e8, host_rates=(1e8, 25e6)).rate_of(1)
+        25000000.0
     """
 
     hosts: int
@@ -59,6 +63,7 @@ class Topology:
     racks: int = 1
     inter_rack_rate: float | None = None
     speeds: tuple[float, ...] = field(default=())
+    host_rates: tuple[float, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not 1 <= self.hosts <= 250:
@@ -71,6 +76,12 @@ class Topology:
             raise UsageError("link rates must be > 0")
         if self.speeds and (len(self.speeds) != self.hosts or not min(self.speeds) > 0):
             raise UsageError(f"speeds needs one value > 0 per host ({self.hosts}), got {list(self.speeds)}")
+        if self.host_rates and (len(self.host_rates) != self.hosts or not min(self.host_rates) > 0):
+            raise UsageError(f"rates needs one link rate > 0 per host ({self.hosts}), got {list(self.host_rates)}")
+
+    def rate_of(self, host: int) -> float:
+        """The rate of ``host``'s link, bits/s."""
+        return self.host_rates[host] if self.host_rates else self.host_rate
 
     def relative_speed(self, host: int) -> float:
         """``host``'s compute speed against the fastest host's (1.0 without ``speeds``)."""

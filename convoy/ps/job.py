@@ -116,7 +116,7 @@ def build_job(model: nn.Module, roles: PSRoles, rank: int, settings: PSSettings,
     layers = [_unit(whole[i], start, end, alias=roles.colocated) for i, start, end in units]
     numels = [sum(p.numel() for p in params) for _, _, params in layers]
     unit_plan = _plan_of_units(plan, [i for i, _, _ in units])
-    owner = (place_units(units, [4 * n for n in numels], roles.servers) if roles.colocated
+    owner = (place_units(units, [4 * n for n in numels], roles.servers, settings.shard_weights) if roles.colocated
              else shard_layers([4 * n for n in numels], roles.servers))
     pull = build_routing(numels, unit_plan, settings, owner=owner)
     capacities = [codec.capacity(i, n, tuple(p.shape for p in layers[i][2]), first_step)

@@ -1,7 +1,9 @@
 """The knobs of parameter-server training, resolved per priority mode."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from convoy.errors import UsageError
 
@@ -35,6 +37,8 @@ class PSSettings:
         credit_bytes: bytes a sender keeps in flight to each peer at most, until the receiver
             acknowledges them; ``None`` is unlimited (and unacknowledged).
         trace_steps: record a timeline of this many steps (after the first) for Chrome's tracer; 0: none.
+        shard_weights: colocated servers: each rank's share of the parameters, in proportion (one
+            value > 0 per rank); empty: equal shares.
 
     Example::
 
@@ -50,6 +54,7 @@ class PSSettings:
     trace_steps: int = 0
     colocated: bool = False
     staleness: int = 0
+    shard_weights: tuple[float, ...] = ()
 
     @property
     def acked(self) -> bool:
@@ -59,7 +64,8 @@ class PSSettings:
     @classmethod
     def resolve(cls, servers: int | str = 1, priority: str = "graph", channels: int | None = None,
                 slice_kb: float | None = None, credit_kb: float | None = None,
-                trace_steps: int = 0, staleness: int = 0) -> "PSSettings":
+                trace_steps: int = 0, staleness: int = 0,
+                shard_weights: str | Sequence[float] | None = None) -> "PSSettings":
         """Settings from user values; ``None`` takes the mode's default.
 
         FIFO defaults to the plain parameter server: one channel, whole tensors,
@@ -70,6 +76,9 @@ class PSSettings:
         check(servers, priority, channels, slice_kb, credit_kb, staleness)
         if staleness and not colocated:
             raise UsageError("--staleness needs --servers colocated")
+        weights = parse_shard_weights(shard_weights)
+        if weights and not colocated:
+            raise UsageError("--shard-weights needs --servers colocated")
         fifo = priority == "fifo"
         if channels is None:
             channels = 1 if fifo else DEFAULT_CHANNELS
@@ -78,7 +87,27 @@ class PSSettings:
         if credit_kb is None and not fifo:
             credit_kb = DEFAULT_CREDIT_KB
         return cls(servers, priority, channels, _bytes(slice_kb), _bytes(credit_kb), trace_steps, colocated,
-                   staleness)
+                   staleness, weights)
+
+
+def parse_shard_weights(value: str | Sequence[float] | None) -> tuple[float, ...]:
+    """``--shard-weights``: comma-separated numbers > 0, one per rank (``None``: equal shares).
+
+    Example::
+
+        >>> parse_shard_weights("1,1,1,0.25")
+        (1.0, 1.0, 1.0, 0.25)
+    """
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        weights = tuple(float(item) for item in items)
+    except (TypeError, ValueError):
+        weights = ()
+    if not weights or not all(0 < w < math.inf for w in weights):
+        raise UsageError(f"--shard-weights must be numbers > 0, one per rank, e.g. 1,1,1,0.25; got {value!r}")
+    return weights
 
 
 def parse_servers(value: int | str) -> int | str:

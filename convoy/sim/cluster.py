@@ -4,6 +4,7 @@ Read from a TOML or JSON file, either in the simulator's own keys::
 
     nodes = 8                  # worker machines (ranks)
     rate = "1gbit"             # each host's link
+    rates = ["1gbit", "1gbit", "250mbit", ...]   # or: one link rate per node
     racks = 2                  # optional
     inter_rack_rate = "100mbit"
     latency_ms = 0.05
@@ -14,7 +15,7 @@ Read from a TOML or JSON file, either in the simulator's own keys::
 
 or as written by ``convoy profile-nodes --json`` (``{"nodes": [{"rank", "host",
 "cpu_mhz", "gpu_mhz", "uplink_mbps", ...}], "clusters": [[ranks]], ...}``):
-uplinks give the link rates, clock rates the relative speeds, clusters the racks;
+uplinks give the link rates (``rates``), clock rates the relative speeds, clusters the racks;
 ``latency_ms``, ``wake_ms`` and ``lanes`` added at its top level are read as above.
 """
 from __future__ import annotations
@@ -46,6 +47,8 @@ class Cluster:
     Args:
         nodes: ranks, one per host.
         rate_bps: each host's link, bits/s (the slowest host's, if they differ).
+        rates: each host's own link rate, bits/s, where they differ (the
+            simulator models the slowest; emulated clusters shape each host's).
         racks: equal racks; a ring crosses the links between racks.
         inter_rack_bps: the rate of the link between racks (needed with racks > 1).
         latency_s: one-way latency per message.
@@ -81,6 +84,7 @@ class Cluster:
     efficiency: float = TCP_EFFICIENCY
     name: str = ""
     lanes: int = 2
+    rates: tuple[float, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -100,6 +104,8 @@ class Cluster:
                              f"and wake-up {self.wake_s} s")
         if self.speeds and (len(self.speeds) != self.nodes or min(self.speeds) <= 0):
             raise UsageError(f"speeds needs {self.nodes} values > 0, got {list(self.speeds)}")
+        if self.rates and (len(self.rates) != self.nodes or min(self.rates) != self.rate_bps):
+            raise UsageError(f"rates needs {self.nodes} link rates, the slowest equal to rate, got {list(self.rates)}")
         if (self.cores is not None and not self.cores > 0) or not 0 < self.efficiency <= 1:
             raise UsageError("cores must be > 0 and efficiency in (0, 1]")
         if self.lanes < 1:
@@ -190,12 +196,17 @@ def _rate(value: object) -> float:
 
 
 def _from_keys(data: dict, name: str) -> Cluster:
-    known = {"nodes", "rate", "racks", "inter_rack_rate", "latency_ms", "wake_ms", "speeds", "cores", "name", "lanes"}
+    known = {"nodes", "rate", "rates", "racks", "inter_rack_rate", "latency_ms", "wake_ms", "speeds", "cores", "name",
+             "lanes"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise UsageError(f"unknown cluster keys {unknown}; known: {', '.join(sorted(known))}")
+    if ("rate" in data) == ("rates" in data):
+        raise UsageError("give the links as rate (every host's) or rates (one per node), not both or neither")
+    rates = tuple(_rate(r) for r in data.get("rates", ()))
     inter = data.get("inter_rack_rate")
-    return Cluster(nodes=int(data["nodes"]), rate_bps=_rate(data["rate"]), racks=int(data.get("racks", 1)),
+    return Cluster(nodes=int(data["nodes"]), rate_bps=min(rates) if rates else _rate(data["rate"]),
+                   rates=rates, racks=int(data.get("racks", 1)),
                    inter_rack_bps=_rate(inter) if inter is not None else None,
                    latency_s=float(data.get("latency_ms", 0.0)) / 1e3,
                    wake_s=float(data.get("wake_ms", 0.0)) / 1e3,
@@ -219,7 +230,7 @@ def _from_node_profiles(data: dict, name: str) -> Cluster:
     groups = data.get("clusters") or [[int(n.get("rank", i)) for i, n in enumerate(nodes)]]
     racks = len(groups) if len(nodes) % len(groups) == 0 and len({len(g) for g in groups}) == 1 else 1
     inter = data.get("inter_rack_mbps")
-    return Cluster(nodes=len(nodes), rate_bps=min(uplinks), racks=racks,
+    return Cluster(nodes=len(nodes), rate_bps=min(uplinks), rates=tuple(uplinks), racks=racks,
                    inter_rack_bps=float(inter) * 1e6 if inter else (min(uplinks) if racks > 1 else None),
                    latency_s=float(data.get("latency_ms", 0.0)) / 1e3, wake_s=float(data.get("wake_ms", 0.0)) / 1e3,
                    speeds=speeds, name=name, lanes=int(data.get("lanes", 2)))

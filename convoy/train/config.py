@@ -235,6 +235,9 @@ class SyncConfig:
     staleness: int = _opt(0, "ps (colocated servers): S, steps a worker may run ahead of the slowest: the forward "
                           "of step t runs on the parameters of step t - S (a fixed delay, reproducible); 0 is "
                           "synchronous and exact", count=True)
+    shard_weights: str | None = _opt(None, "ps (colocated servers): each rank's share of the parameters, in "
+                                     "proportion, one number > 0 per rank (e.g. 1,1,1,0.25: a rank on a slower "
+                                     "link serves less, so its link carries less); default: equal shares")
     channels: int | None = _opt(None, "ps: connections (process groups) per server-worker pair (default 2; fifo: 1)",
                                 count=True)
     priority: str = _opt("graph", "ps: transfer order: graph (the next forward's order, traced), timed (also "
@@ -249,7 +252,7 @@ class SyncConfig:
     def validate(self) -> None:
         """The strategy's own options; the cluster count and the servers are checked against the world
         by TrainConfig."""
-        from convoy.ps.settings import check, parse_servers
+        from convoy.ps.settings import check, parse_servers, parse_shard_weights
         from convoy.sync import SYNC_NAMES
 
         _check_fields(self)
@@ -260,12 +263,14 @@ class SyncConfig:
                 raise UsageError(f"--servers must be <= {MAX_COUNT}, got {self.servers}")
         check(self.servers if isinstance(self.servers, int) else None, self.priority, self.channels, self.slice_kb,
               self.credit_kb, self.staleness)
+        parse_shard_weights(self.shard_weights)
         _at_least("trace_steps", self.trace_steps, 1)
         if self.strategy != "ps":
-            given = [f for f in ("servers", "channels", "slice_kb", "credit_kb") if getattr(self, f) is not None]
+            given = [f for f in ("servers", "channels", "slice_kb", "credit_kb", "shard_weights")
+                     if getattr(self, f) is not None]
             if given or self.priority != "graph" or self.trace or self.staleness:
-                raise UsageError("--servers, --staleness, --channels, --priority, --slice-kb, --credit-kb and --trace "
-                                 "need --sync ps")
+                raise UsageError("--servers, --staleness, --shard-weights, --channels, --priority, --slice-kb, "
+                                 "--credit-kb and --trace need --sync ps")
         if self.strategy != "hierarchical":
             if self.node_profile is not None or self.indicator_weights is not None or self.clusters != "auto":
                 raise UsageError("--clusters, --indicator-weights and --node-profile need --sync hierarchical")
@@ -539,6 +544,11 @@ class TrainConfig:
                              "dedicated server ranks")
         if self.sync.staleness:
             self._validate_stale()
+        from convoy.ps.settings import parse_shard_weights
+
+        weights = parse_shard_weights(self.sync.shard_weights)
+        if weights and len(weights) != world:
+            raise UsageError(f"--shard-weights needs one share per process ({world}), got {len(weights)}")
         if self.optim.clip_grad_norm is not None or self.optim.amp == "fp16":
             raise UsageError("--clip-grad-norm and --amp fp16 are not supported with --servers colocated yet; "
                              "give --servers S (dedicated servers) or leave them out")
@@ -558,8 +568,10 @@ class TrainConfig:
         servers = self.ps_servers()
         if servers == "colocated":
             self._validate_colocated(world)
-        elif self.sync.staleness:
-            raise UsageError("--staleness needs --servers colocated")
+        else:
+            for flag, given in (("--staleness", self.sync.staleness), ("--shard-weights", self.sync.shard_weights)):
+                if given:
+                    raise UsageError(f"{flag} needs --servers colocated")
         if servers != "colocated" and servers >= world:
             raise UsageError(f"--servers ({servers}) must be smaller than the number of processes ({world}): "
                              "at least one rank must be a worker")

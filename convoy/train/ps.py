@@ -25,7 +25,7 @@ from convoy.train.optim import build_compression, lr_lambda, optimizer_spec
 def ps_settings(config: TrainConfig) -> PSSettings:
     sync = config.sync
     return PSSettings.resolve(config.ps_servers(), sync.priority, sync.channels, sync.slice_kb, sync.credit_kb,
-                              sync.trace_steps if sync.trace else 0, sync.staleness)
+                              sync.trace_steps if sync.trace else 0, sync.staleness, sync.shard_weights)
 
 
 def example_batch(config: TrainConfig, input_shape: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -30,6 +30,20 @@ def test_rates_parse_like_tc_and_bad_topologies_are_refused():
         Topology(hosts=3, host_rate=1e6, racks=2, inter_rack_rate=1e6)
     with pytest.raises(UsageError, match="inter-rack-rate"):
         Topology(hosts=4, host_rate=1e6, racks=2)
+    with pytest.raises(UsageError, match="one link rate > 0 per host"):
+        Topology(hosts=2, host_rate=1e6, host_rates=(1e6,))
+
+
+@pytest.mark.timeout(300)
+@needs_netns
+def test_a_host_on_a_slower_link_is_shaped_at_its_own_rate_both_ways():
+    with EmulatedCluster(Topology(hosts=2, host_rate=25e6, host_rates=(100e6, 25e6)), tag="convoyrate") as cluster:
+        def rate(prefix: list[str], dev: str) -> str:
+            out = subprocess.run(prefix + ["tc", "qdisc", "show", "dev", dev], capture_output=True, text=True).stdout
+            return out.split(" rate ")[1].split()[0]
+        switch = ["ip", "netns", "exec", cluster.switch]
+        assert [rate(cluster.exec_prefix(h), "eth0") for h in (0, 1)] == ["100Mbit", "25Mbit"]
+        assert [rate(switch, f"h{h}") for h in (0, 1)] == ["100Mbit", "25Mbit"]
 
 
 @pytest.mark.timeout(300)

@@ -21,6 +21,8 @@ HYPER = {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
 # Small slices and a tight credit window: lenet's large layer is cut into units across the three
 # shards, and those into several slices on two channels.
 GRAPH = {"slice_kb": 16, "credit_kb": 40, "channels": 2}
+# Rank 2 serves a small share (a host on a slower link): the placement changes, the result must not.
+WEIGHTED = GRAPH | {"shard_weights": "1,1,0.2"}
 COMPRESSORS = {"blocktopk": lambda: (BlockTopKCompressor(fraction=0.25), ResidualMemory()),
                "powersgd": lambda: (PowerSGDCompressor(rank=2), ResidualMemory())}
 
@@ -46,6 +48,7 @@ def _train_colocated(rank: int, world: int, priority: str, kwargs: dict, compres
     # A push is a row: one int64 size per payload tensor (dense: one), then the values.
     pushed = sum(4 * job.numel(u) + 8 + HEADER_BYTES * len(job.push.table[u]) for u in remote)
     return {"params": flat(model), "losses": losses, "units": len(job.layers), "shard": sorted(mine),
+            "held": sum(job.numel(u) for u in mine),
             "received": stats.bytes_received, "sent": stats.bytes_sent, "pulled": pulled, "pushed": pushed}
 
 
@@ -63,6 +66,7 @@ def _job(rank: int, world: int):
     return {"allreduce": _train_allreduce(rank, world),
             "graph": _train_colocated(rank, world, "graph", GRAPH),
             "fifo": _train_colocated(rank, world, "fifo", {}),
+            "weighted": _train_colocated(rank, world, "graph", WEIGHTED),
             **{name: _train_colocated(rank, world, "graph", GRAPH, name) for name in COMPRESSORS}}
 
 
@@ -72,12 +76,25 @@ def job():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("priority", ["graph", "fifo"])
-def test_colocated_staleness_0_equals_allreduce_after_15_steps(job, priority):
+@pytest.mark.parametrize("run", ["graph", "fifo", "weighted"])
+def test_colocated_staleness_0_equals_allreduce_after_15_steps(job, run):
     reference = job[0]["allreduce"]
     assert (reference - flat(seeded_model("lenet"))).abs().max().item() > 1e-3   # it trained
     for rank in range(WORLD):
-        assert (job[rank][priority]["params"] - reference).abs().max().item() <= 1e-5, (rank, priority)
+        assert (job[rank][run]["params"] - reference).abs().max().item() <= 1e-5, (rank, run)
+
+
+@pytest.mark.timeout(600)
+def test_shard_weights_give_a_rank_its_share_and_still_every_unit_one_owner(job):
+    held = [job[rank]["weighted"]["held"] for rank in range(WORLD)]
+    even = [job[rank]["graph"]["held"] for rank in range(WORLD)]
+    assert sum(held) == sum(even)
+    assert held[2] < 0.25 * min(held[:2]) and held[2] < 0.5 * even[2], held   # asked: 0.2 of the others'
+    shards = [job[rank]["weighted"]["shard"] for rank in range(WORLD)]
+    assert sorted(u for shard in shards for u in shard) == list(range(job[0]["weighted"]["units"]))
+    for rank in range(WORLD):
+        run = job[rank]["weighted"]
+        assert run["received"] == run["pulled"] and run["sent"] == run["pushed"], rank
 
 
 @pytest.mark.timeout(600)

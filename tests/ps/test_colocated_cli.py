@@ -1,4 +1,4 @@
-"""Bad ``--servers`` and ``--staleness`` values are refused in one line with exit status 2, before any
+"""Bad ``--servers``, ``--staleness`` and ``--shard-weights`` values are refused in one line with exit status 2, before any
 worker starts; ``--servers colocated`` is the default of ``--sync ps``."""
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ from tests.helpers import convoy_in_process, one_line_error
     (["--staleness", "1", "--nproc", "1"], "--servers colocated needs at least 2 processes, got 1"),
     (["--staleness", "2", "--compress", "blocktopk"], "--staleness 2 with --compress blocktopk: compressed pushes"),
     (["--clip-grad-norm", "1"], "not supported with --servers colocated yet"),
+    (["--shard-weights", "1,0"], "--shard-weights must be numbers > 0, one per rank"),
+    (["--shard-weights", "1,x"], "--shard-weights must be numbers > 0, one per rank"),
+    (["--shard-weights", "1,nan"], "--shard-weights must be numbers > 0, one per rank"),
+    (["--shard-weights", "1,1", "--nproc", "3"], "--shard-weights needs one share per process (3), got 2"),
+    (["--shard-weights", "1,1", "--servers", "1", "--nproc", "2"], "--shard-weights needs --servers colocated"),
 ])
 def test_bad_ps_values_are_one_line_exit_2(args, expected):
     assert expected in one_line_error(convoy_in_process("train", "--sync", "ps", *args))
@@ -33,8 +38,9 @@ def test_checkpoints_under_staleness_are_refused_and_leave_no_directory(tmp_path
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_staleness_needs_sync_ps():
+def test_staleness_and_shard_weights_need_sync_ps():
     assert "need --sync ps" in one_line_error(convoy_in_process("train", "--staleness", "1"))
+    assert "need --sync ps" in one_line_error(convoy_in_process("train", "--shard-weights", "1,1"))
 
 
 def test_a_config_file_integer_is_a_server_count_and_colocated_is_the_default(tmp_path):

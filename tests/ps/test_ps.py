@@ -19,7 +19,7 @@ from convoy.ps.routing import build_routing
 from convoy.ps.scheduler import SliceScheduler, Transfer, stop_marks
 from convoy.ps.job import PSJob
 from convoy.ps.priority import PriorityPlan
-from convoy.ps.sharding import place_units, shard_layers, split_layers
+from convoy.ps.sharding import link_shares, place_units, shard_layers, split_layers
 from convoy.ps.slicing import cut, join, slice_table, split
 from convoy.ps.trace_graph import Op, OpGraph, model_layers, trace
 
@@ -77,6 +77,54 @@ def test_colocated_units_give_every_server_an_equal_share_of_each_cut_layer(name
         assert len(set(counts)) == 1, (layers[layer][0], counts)
     loads = [sum(size for size, o in zip(sizes, owner) if o == s) for s in range(servers)]
     assert max(loads) <= 1.05 * min(loads), loads
+
+
+def _vgg_fc_units(servers: int) -> tuple[list, list[int]]:
+    layers = model_layers(build_model("vgg_fc", in_channels=1, num_classes=10))
+    units = split_layers([sum(p.numel() for p in params) for _, _, params in layers],
+                         [_rows(params) for _, _, params in layers], servers)
+    return units, [sum(p[start:end].numel() * 4 for p in layers[i][2]) for i, start, end in units]
+
+
+@given(layers=st.lists(st.tuples(st.integers(1, 6), st.integers(1, 400)), min_size=1, max_size=8),
+       servers=st.integers(1, 5), weight=st.floats(0.1, 10))
+@settings(max_examples=100, deadline=None)
+def test_equal_shard_weights_place_units_as_no_weights(layers, servers, weight):
+    units = [(i, k, k + 1) if parts > 1 else (i, None, None)
+             for i, (parts, _) in enumerate(layers) for k in range(parts)]
+    sizes = [layers[i][1] for i, _, _ in units]
+    assert place_units(units, sizes, servers, [weight] * servers) == place_units(units, sizes, servers)
+
+
+def _busiest_link(shares: list[float], rates: list[float]) -> float:
+    """Seconds per model byte on the busiest link: (1 + (N - 2) f) of the model each way over rate r."""
+    return max((1 + (len(rates) - 2) * f) / r for f, r in zip(shares, rates))
+
+
+@given(rates=st.lists(st.floats(1, 100), min_size=3, max_size=6),
+       other=st.lists(st.floats(0, 1), min_size=6, max_size=6))
+@settings(max_examples=200, deadline=None)
+def test_link_shares_leave_the_busiest_link_no_busier_than_any_other_split(rates, other):
+    shares = link_shares(rates, least=0.0)
+    assert abs(sum(shares) - 1) < 1e-9 and min(shares) >= 0
+    rival = other[:len(rates)]
+    if sum(rival) > 0:
+        rival = [f / sum(rival) for f in rival]
+        assert _busiest_link(shares, rates) <= _busiest_link(rival, rates) * (1 + 1e-9)
+    assert _busiest_link(shares, rates) <= _busiest_link([1 / len(rates)] * len(rates), rates) * (1 + 1e-9)
+
+
+def test_link_shares_place_vgg_fc_so_a_slow_link_carries_less_than_a_ring_would():
+    rates = [100e6, 100e6, 100e6, 25e6]
+    units, sizes = _vgg_fc_units(4)
+    for weights in ((), link_shares(rates)):
+        owner = place_units(units, sizes, 4, weights)
+        held = [sum(b for b, o in zip(sizes, owner) if o == s) / sum(sizes) for s in range(4)]
+        if not weights:
+            ring = _busiest_link(held, rates)
+            assert ring == pytest.approx(1.5 / 25e6, rel=0.03)   # every link carries 2 (N - 1) / N
+    assert held[3] < 0.02 and all(0.3 < f < 0.37 for f in held[:3]), held
+    assert _busiest_link(held, rates) < 0.72 * ring   # about 1 + 2 x 0.01 of the model instead of 1.5
 
 
 def test_colocated_pushes_go_in_turns_one_stream_per_server():

@@ -324,6 +324,20 @@ def test_cluster_files_in_both_formats(tmp_path):
     n = load_cluster(tmp_path / "n.json")
     assert (n.nodes, n.rate_bps, n.racks, n.latency_s, n.wake_s, n.lanes) == (4, 1e8, 2, 5e-4, 3e-3, 2)
     assert n.speeds == (1.0, 1.0, 1.0, 0.5) and n.slowdown == 2.0
+    assert n.rates == (1e8, 1e9, 1e9, 1e9)   # each node's own uplink, for emulated clusters
+
+
+def test_cluster_files_give_each_node_its_link_rate_or_one_for_all(tmp_path):
+    (tmp_path / "r.toml").write_text('nodes = 3\nrates = ["1gbit", "250mbit", 1e9]\n')
+    r = load_cluster(tmp_path / "r.toml")
+    assert r.rates == (1e9, 250e6, 1e9) and r.rate_bps == 250e6   # the simulator models the slowest
+    for body in ('nodes = 3\n', 'nodes = 3\nrate = "1gbit"\nrates = ["1gbit", "1gbit", "1gbit"]\n'):
+        (tmp_path / "b.toml").write_text(body)
+        with pytest.raises(UsageError, match="rate .* or rates"):
+            load_cluster(tmp_path / "b.toml")
+    (tmp_path / "n.toml").write_text('nodes = 3\nrates = ["1gbit", "1gbit"]\n')
+    with pytest.raises(UsageError, match="rates needs 3"):
+        load_cluster(tmp_path / "n.toml")
 
 
 # --------------------------------------------------------------------- CLI
