@@ -1,5 +1,5 @@
-"""Bad ``--servers``, ``--staleness`` and ``--shard-weights`` values are refused in one line with exit status 2, before any
-worker starts; ``--servers colocated`` is the default of ``--sync ps``."""
+"""Bad ``--servers``, ``--staleness`` and ``--shard-weights`` values are refused in one line with exit
+status 2, before any worker starts; ``--servers colocated`` is the default of ``--sync ps``."""
 from __future__ import annotations
 
 import pytest
