@@ -234,7 +234,8 @@ def _time_to_accuracy(*names: str, reference: str | None = None) -> Callable[[],
             dense = next((r for r in rows + rows_of(reference or name) if r["strategy"] == "dense"), None)
             for r in rows:
                 hit = r.get("time_to_target_s")
-                cells.append([data["settings"].get("rate", "-"), r["strategy"],
+                links = data["settings"].get("cluster") or data["settings"].get("rate", "-")
+                cells.append([links, r["strategy"],
                               seconds(hit, "not reached") if "error" not in r else f"failed: {r['error']}",
                               number(r.get("steps_to_target")),
                               times(dense["time_to_target_s"] / hit)
@@ -318,10 +319,15 @@ def _ps(name: str) -> Callable[[], str]:
 PS_COLOCATED = ("time_to_accuracy_vgg_fc_100mbit_ps", "time_to_accuracy_resnet18_100mbit_ps")
 
 
-def _ps_colocated() -> str:
-    """Step time of colocated servers against convoy's ring all-reduce and against their own FIFO order."""
+def _ps_steps(*names: str, versus: str = "graph step") -> Callable[[], str]:
+    """Step time of colocated servers against convoy's ring all-reduce and against the ps-colocated row
+    (graph priority, equal shares) of the same run."""
+    return lambda: _ps_step_table(names, versus)
+
+
+def _ps_step_table(names: tuple[str, ...], versus: str) -> str:
     cells = []
-    for name in PS_COLOCATED:
+    for name in names:
         data = load(name)
         if not data:
             continue
@@ -332,7 +338,7 @@ def _ps_colocated() -> str:
                           times(step / steps["dense"]) if step and steps.get("dense") else "-",
                           times(step / steps["ps-colocated"]) if step and steps.get("ps-colocated") else "-",
                           number(r.get("MB_sent/step"))])
-    return table(["model", "strategy", "step", "step / all-reduce step", "step / graph step",
+    return table(["model", "strategy", "step", "step / all-reduce step", f"step / {versus}",
                   "MB sent / step / rank (ps: its pushes only)"], cells)
 
 
@@ -603,11 +609,24 @@ BLOCKS: tuple[Block, ...] = (
           "DDP + torch's PowerSGD hook (rank 2) in the same run (powersgd; the ratios are its time over each row's)",
           _versus_peer("time_to_accuracy_resnet18_1gbit"), emulated=True),
     Block("tta_vgg_fc_straggler", "Time to 97%: vgg_fc, 4 hosts at 100 Mbit, one at a quarter of the others' speed",
-          ("time_to_accuracy_vgg_fc_100mbit_straggler",),
+          ("time_to_accuracy_vgg_fc_straggler",),
           "python bench/time_to_accuracy.py --model vgg_fc --target 0.97 --cluster bench/straggler.toml "
-          "--tag straggler --strategies dense ps-colocated ps-colocated-s2",
+          "--strategies dense ps-colocated ps-colocated-s2",
           "convoy's all-reduce (dense) in the same run; ps-colocated-s2 is --staleness 2",
-          _time_to_accuracy("time_to_accuracy_vgg_fc_100mbit_straggler"), emulated=True),
+          _time_to_accuracy("time_to_accuracy_vgg_fc_straggler"), emulated=True),
+    Block("tta_vgg_fc_slow_link", "Time to 97%: vgg_fc, 3 hosts at 200 Mbit and one at 50 Mbit",
+          ("time_to_accuracy_vgg_fc_slow_link",),
+          "python bench/time_to_accuracy.py --model vgg_fc --target 0.97 --cluster bench/slow_link.toml "
+          "--strategies dense ps-colocated-by-link",
+          "convoy's all-reduce (dense) in the same run; ps-colocated-by-link is --shard-weights from the links",
+          _time_to_accuracy("time_to_accuracy_vgg_fc_slow_link"), emulated=True),
+    Block("ps_slow_link_steps", "Colocated servers' step with one host on a slower link",
+          ("time_to_accuracy_vgg_fc_slow_link_steps",),
+          "python bench/time_to_accuracy.py --model vgg_fc --steps 13 --eval-every 13 --target 0.999 "
+          "--cluster bench/slow_link.toml --tag steps --strategies dense ps-colocated ps-colocated-by-link "
+          "ps-colocated-s2-by-link",
+          "convoy's ring all-reduce (dense) and the servers on equal shares (ps-colocated), in the same run",
+          _ps_steps("time_to_accuracy_vgg_fc_slow_link_steps", versus="equal shares' step"), emulated=True),
     Block("ps_settings", "The colocated step under its transfer settings, vgg_fc, 4 hosts at 100 Mbit",
           ("ps_settings_vgg_fc_100mbit",), "python bench/ps_settings.py --hosts 4 --rate 100mbit --model vgg_fc "
           "--steps 25", "convoy's ring all-reduce and the ps defaults, in the same run", _ps_settings,
@@ -644,7 +663,7 @@ BLOCKS: tuple[Block, ...] = (
           "--target 0.999 --strategies dense ps-colocated ps-colocated-fifo --tag ps; the same with --model "
           "resnet18 --steps 20 --eval-every 20 --strategies ps-colocated ps-colocated-fifo",
           "convoy's ring all-reduce (dense) and the same servers in arrival order (ps-colocated-fifo)",
-          _ps_colocated, emulated=True),
+          _ps_steps(*PS_COLOCATED), emulated=True),
     Block("ps_time_to_accuracy", "Parameter server: time to 97%, vgg_fc, 1 Gbit", ("ps_time_to_accuracy",),
           "python bench/ps.py --tta", "ring all-reduce with about the same global batch",
           _ps_time_to_accuracy, emulated=True),

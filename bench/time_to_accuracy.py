@@ -186,7 +186,9 @@ def main() -> None:
         t = row["time_to_target_s"]
         row["speedup_vs_dense"] = dense / t if dense and t else None
         row[also] = next((time for time, accuracy in row["curve"] if accuracy >= args.also_target), None)
-    name = f"time_to_accuracy_{args.model}_{args.rate}" + (f"_{args.tag}" if args.tag else "")
+    # A cluster file names its hosts' links (they may differ), so it names the results.
+    links = Path(args.cluster).stem if args.cluster else args.rate
+    name = f"time_to_accuracy_{args.model}_{links}" + (f"_{args.tag}" if args.tag else "")
     save(name, vars(args), rows, ["strategy", "time_to_target_s", "steps_to_target", "speedup_vs_dense", also,
                                   "final_accuracy", "step_s", "MB_sent/step", "error"])
     plot_curves([r for r in rows if r["curve"]], RESULTS / f"{name}.png", args.target)

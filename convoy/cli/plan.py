@@ -28,7 +28,7 @@ than the cluster has), each with the convoy train command that runs it.
 CLUSTER is a TOML or JSON file: either the simulator's keys
 
   nodes = 4
-  rate = "100mbit"          # each host's link
+  rate = "100mbit"          # each host's link (or rates = [...], one per node)
   racks = 2                 # optional, with inter_rack_rate = "50mbit"
   latency_ms = 0.1          # optional
   wake_ms = 1               # optional: a receiver's per-message time on busy shared cores
