@@ -20,17 +20,31 @@ import sys
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import save  # noqa: E402
 
-# name -> (delay, lr factor, momentum or None for --momentum, synchronous steps first)
-VARIANTS: dict[str, tuple[int, float, float | None, int]] = {
-    "synchronous": (0, 1.0, None, 0),
-    "staleness 2": (2, 1.0, None, 0),
-    "staleness 2, lr / 3": (2, 1 / 3, None, 0),
-    "staleness 2, no momentum, lr x 10": (2, 10.0, 0.0, 0),
-    "staleness 2 after 150 synchronous steps": (2, 1.0, None, 150),
+
+
+class Rule(NamedTuple):
+    delay: int
+    lr_factor: float = 1.0
+    momentum: float | None = None    # None: --momentum
+    synchronous_steps: int = 0       # steps without the delay first
+    adam_lr: float | None = None     # Adam at this rate instead of SGD
+    look_ahead: bool = False         # the delayed copy moved on by the momentum it will still get (DANA)
+
+
+VARIANTS: dict[str, Rule] = {
+    "synchronous": Rule(0),
+    "staleness 2": Rule(2),
+    "staleness 2, lr / 3": Rule(2, lr_factor=1 / 3),
+    "staleness 2, no momentum, lr x 10": Rule(2, lr_factor=10.0, momentum=0.0),
+    "staleness 2 after 150 synchronous steps": Rule(2, synchronous_steps=150),
+    "staleness 2, momentum look-ahead": Rule(2, look_ahead=True),
+    "synchronous, adam lr 0.0003": Rule(0, adam_lr=3e-4),
+    "staleness 2, adam lr 0.0003": Rule(2, adam_lr=3e-4),
 }
 
 
@@ -43,16 +57,26 @@ def simulate(variant: str, seed: int, args: argparse.Namespace) -> dict:
     from convoy.models.registry import build_model
 
     torch.set_num_threads(1)
-    delay, lr_factor, momentum, synchronous_steps = VARIANTS[variant]
+    rule = VARIANTS[variant]
+    delay, synchronous_steps = rule.delay, rule.synchronous_steps
     torch.manual_seed(seed)
     data = load()
     model = build_model(args.model)                        # where the gradient is taken
     newest = [p.detach().clone() for p in model.parameters()]   # the servers' parameters
     for p in newest:
         p.grad = torch.zeros_like(p)
-    optimizer = torch.optim.SGD(newest, lr=args.lr * lr_factor, weight_decay=args.weight_decay,
-                                momentum=args.momentum if momentum is None else momentum)
-    history = deque([[p.clone() for p in newest]], maxlen=delay + 1)   # the last delay + 1 versions
+    momentum = args.momentum if rule.momentum is None else rule.momentum
+    base_lr = rule.adam_lr or args.lr * rule.lr_factor
+    optimizer = (torch.optim.Adam(newest, lr=base_lr, weight_decay=args.weight_decay) if rule.adam_lr else
+                 torch.optim.SGD(newest, lr=base_lr, weight_decay=args.weight_decay, momentum=momentum))
+    # Momentum alone moves the parameters by lr (m + ... + m^delay) v over the delay's steps.
+    ahead = sum(momentum ** k for k in range(1, delay + 1)) if rule.look_ahead else 0.0
+
+    def version(lr: float) -> list[torch.Tensor]:
+        buffers = [optimizer.state.get(p, {}).get("momentum_buffer") for p in newest]
+        return [p - lr * ahead * v if ahead and v is not None else p.clone() for p, v in zip(newest, buffers)]
+
+    history = deque([version(base_lr)], maxlen=delay + 1)   # the last delay + 1 versions
     images, labels = data.train.tensors
     test_images, test_labels = data.test.tensors
     order = torch.Generator().manual_seed(seed)
@@ -70,10 +94,11 @@ def simulate(variant: str, seed: int, args: argparse.Namespace) -> dict:
         F.cross_entropy(model(images[index]), labels[index]).backward()
         for p, server in zip(model.parameters(), newest):
             server.grad.copy_(p.grad)
-        for group in optimizer.param_groups:   # convoy's cosine schedule
-            group["lr"] = args.lr * lr_factor * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        lr = base_lr * 0.5 * (1 + math.cos(math.pi * step / args.steps))   # convoy's cosine schedule
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         optimizer.step()
-        history.append([p.clone() for p in newest])
+        history.append(version(lr))
         if (step + 1) % args.eval_every == 0:
             with torch.no_grad():
                 for p, server in zip(model.parameters(), newest):
