@@ -5,10 +5,13 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from convoy.emulation.topology import parse_rate
 from convoy.errors import UsageError
+from convoy.ps.sharding import link_shares
 
 PRIORITY_MODES = ("graph", "timed", "fifo")
 COLOCATED = "colocated"   # --servers colocated: every rank serves a shard and trains
+LINKS = "links:"          # --shard-weights links:RATE,...: shares fitted to the ranks' link rates
 
 # Defaults of the prioritised modes: P3 slices at 40 k parameters and
 # ByteScheduler keeps 4 MB in flight; 256 kB slices keep per-slice overhead low.
@@ -91,22 +94,28 @@ class PSSettings:
 
 
 def parse_shard_weights(value: str | Sequence[float] | None) -> tuple[float, ...]:
-    """``--shard-weights``: comma-separated numbers > 0, one per rank (``None``: equal shares).
+    """``--shard-weights``: comma-separated numbers > 0, one per rank (``None``: equal shares), or
+    ``links:`` and each rank's link rate, for the shares :func:`convoy.ps.sharding.link_shares` fits to them.
 
     Example::
 
         >>> parse_shard_weights("1,1,1,0.25")
         (1.0, 1.0, 1.0, 0.25)
+        >>> [round(w, 2) for w in parse_shard_weights("links:1gbit,1gbit,1gbit,250mbit")]
+        [0.33, 0.33, 0.33, 0.01]
     """
     if value is None:
         return ()
+    if isinstance(value, str) and value.startswith(LINKS):
+        return tuple(link_shares([parse_rate(rate) for rate in value[len(LINKS):].split(",")]))
     items = value.split(",") if isinstance(value, str) else list(value)
     try:
         weights = tuple(float(item) for item in items)
     except (TypeError, ValueError):
         weights = ()
     if not weights or not all(0 < w < math.inf for w in weights):
-        raise UsageError(f"--shard-weights must be numbers > 0, one per rank, e.g. 1,1,1,0.25; got {value!r}")
+        raise UsageError(f"--shard-weights must be numbers > 0, one per rank, e.g. 1,1,1,0.25 (or {LINKS} and "
+                         f"each rank's link rate, e.g. {LINKS}1gbit,1gbit,250mbit); got {value!r}")
     return weights
 
 

@@ -237,7 +237,9 @@ class SyncConfig:
                           "synchronous and exact", count=True)
     shard_weights: str | None = _opt(None, "ps (colocated servers): each rank's share of the parameters, in "
                                      "proportion, one number > 0 per rank (e.g. 1,1,1,0.25: a rank on a slower "
-                                     "link serves less, so its link carries less); default: equal shares")
+                                     "link serves less, so its link carries less), or links: and each rank's "
+                                     "link rate (links:1gbit,1gbit,250mbit: the shares that make the busiest "
+                                     "link's step shortest); default: equal shares")
     channels: int | None = _opt(None, "ps: connections (process groups) per server-worker pair (default 2; fifo: 1)",
                                 count=True)
     priority: str = _opt("graph", "ps: transfer order: graph (the next forward's order, traced), timed (also "

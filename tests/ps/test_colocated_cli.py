@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from convoy.train.config import TrainConfig
+from convoy.train.ps import ps_settings
 from tests.helpers import convoy_in_process, one_line_error
 
 
@@ -25,6 +26,8 @@ from tests.helpers import convoy_in_process, one_line_error
     (["--shard-weights", "1,x"], "--shard-weights must be numbers > 0, one per rank"),
     (["--shard-weights", "1,nan"], "--shard-weights must be numbers > 0, one per rank"),
     (["--shard-weights", "1,1", "--nproc", "3"], "--shard-weights needs one share per process (3), got 2"),
+    (["--shard-weights", "links:1gbit,fast"], "bad link rate 'fast'"),
+    (["--shard-weights", "links:1gbit,1gbit", "--nproc", "3"], "--shard-weights needs one share per process (3)"),
     (["--shard-weights", "1,1", "--servers", "1", "--nproc", "2"], "--shard-weights needs --servers colocated"),
 ])
 def test_bad_ps_values_are_one_line_exit_2(args, expected):
@@ -36,6 +39,15 @@ def test_checkpoints_under_staleness_are_refused_and_leave_no_directory(tmp_path
                                             str(tmp_path / "ckpt")))
     assert "--staleness 1 with --checkpoint-dir: checkpoints of a stale job are not supported yet" in line
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_shard_weights_from_link_rates_are_the_fitted_shares():
+    from convoy.ps.sharding import link_shares
+
+    config = TrainConfig.from_flat(sync="ps", nproc=4, shard_weights="links:200mbit,200mbit,200mbit,50mbit")
+    settings = ps_settings(config.validate())
+    assert settings.shard_weights == tuple(link_shares([200e6, 200e6, 200e6, 50e6]))
+    assert settings.shard_weights[3] < 0.02
 
 
 def test_staleness_and_shard_weights_need_sync_ps():
