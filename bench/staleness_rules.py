@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import save  # noqa: E402
 
 
-
 class Rule(NamedTuple):
+    """One update rule: the delay of the gradient, in steps, and what else differs from the job's SGD."""
+
     delay: int
     lr_factor: float = 1.0
     momentum: float | None = None    # None: --momentum
