@@ -322,24 +322,22 @@ PS_COLOCATED = ("time_to_accuracy_vgg_fc_100mbit_ps", "time_to_accuracy_resnet18
 def _ps_steps(*names: str, versus: str = "graph step") -> Callable[[], str]:
     """Step time of colocated servers against convoy's ring all-reduce and against the ps-colocated row
     (graph priority, equal shares) of the same run."""
-    return lambda: _ps_step_table(names, versus)
-
-
-def _ps_step_table(names: tuple[str, ...], versus: str) -> str:
-    cells = []
-    for name in names:
-        data = load(name)
-        if not data:
-            continue
-        steps = {r["strategy"]: r.get("step_s") for r in data["rows"]}
-        for r in data["rows"]:
-            step = r.get("step_s")
-            cells.append([data["settings"]["model"], r["strategy"], seconds(step),
-                          times(step / steps["dense"]) if step and steps.get("dense") else "-",
-                          times(step / steps["ps-colocated"]) if step and steps.get("ps-colocated") else "-",
-                          number(r.get("MB_sent/step"))])
-    return table(["model", "strategy", "step", "step / all-reduce step", f"step / {versus}",
-                  "MB sent / step / rank (ps: its pushes only)"], cells)
+    def render() -> str:
+        cells = []
+        for name in names:
+            data = load(name)
+            if not data:
+                continue
+            steps = {r["strategy"]: r.get("step_s") for r in data["rows"]}
+            for r in data["rows"]:
+                step = r.get("step_s")
+                cells.append([data["settings"]["model"], r["strategy"], seconds(step),
+                              times(step / steps["dense"]) if step and steps.get("dense") else "-",
+                              times(step / steps["ps-colocated"]) if step and steps.get("ps-colocated") else "-",
+                              number(r.get("MB_sent/step"))])
+        return table(["model", "strategy", "step", "step / all-reduce step", f"step / {versus}",
+                      "MB sent / step / rank (ps: its pushes only)"], cells)
+    return render
 
 
 def _ps_time_to_accuracy() -> str:

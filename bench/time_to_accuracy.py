@@ -25,7 +25,7 @@ from bench.common import RESULTS, save  # noqa: E402
 
 PEER = str(Path(__file__).resolve().parent / "peers" / "ddp_train.py")
 TWO_RACKS = str(Path(__file__).resolve().parent / "two_racks.toml")
-# Stands for the shares convoy.ps.sharding.link_shares gives the cluster's links.
+# Stands for --shard-weights links: and the cluster's link rates (shares fitted to the links).
 LINK_SHARES = "<link shares>"
 
 # name -> how the ranks are started (after `convoy bench cluster ... --`).
@@ -106,13 +106,12 @@ def step_figures(out: Path, skip: int = 1) -> dict:
 
 
 def link_shares(args: argparse.Namespace) -> str:
-    """``--shard-weights`` for the hosts of ``args.cluster`` (equal shares for hosts on equal links)."""
-    from convoy.ps.sharding import link_shares as shares
+    """``--shard-weights`` for the hosts of ``args.cluster``: ``links:`` and their rates (equal links without one)."""
     from convoy.sim.cluster import load_cluster
 
     cluster = load_cluster(args.cluster) if args.cluster else None
-    rates = (cluster.rates or [cluster.rate_bps] * cluster.nodes) if cluster else [1.0] * args.hosts
-    return ",".join(f"{share:.4f}" for share in shares(rates))
+    rates = (cluster.rates or [cluster.rate_bps] * cluster.nodes) if cluster else [1e9] * args.hosts
+    return "links:" + ",".join(f"{int(rate)}bit" for rate in rates)
 
 
 def launcher(command: list[str], hosts: int, rate: str, cluster: str | None = None) -> list[str]:

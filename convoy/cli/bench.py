@@ -99,7 +99,7 @@ def _topology(args: argparse.Namespace) -> Topology:
         raise UsageError(f"--cluster FILE describes the hosts; drop {', '.join(given)} or drop --cluster")
     cluster = load_cluster(args.cluster)
     return Topology(cluster.nodes, cluster.rate_bps, cluster.racks, cluster.inter_rack_bps, cluster.speeds,
-                    cluster.rates if len(set(cluster.rates)) > 1 else ())
+                    cluster.rates)
 
 
 def _describe(topology: Topology) -> str:

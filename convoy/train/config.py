@@ -235,7 +235,7 @@ class SyncConfig:
     staleness: int = _opt(0, "ps (colocated servers): S, steps a worker may run ahead of the slowest: the forward "
                           "of step t runs on the parameters of step t - S (a fixed delay, reproducible); 0 is "
                           "synchronous and exact", count=True)
-    shard_weights: str | None = _opt(None, "ps (colocated servers): each rank's share of the parameters, in "
+    shard_weights: str | tuple[float, ...] | None = _opt(None, "ps (colocated servers): each rank's share of the parameters, in "
                                      "proportion, one number > 0 per rank (e.g. 1,1,1,0.25: a rank on a slower "
                                      "link serves less, so its link carries less), or links: and each rank's "
                                      "link rate (links:1gbit,1gbit,250mbit: the shares that make the busiest "
@@ -265,7 +265,8 @@ class SyncConfig:
                 raise UsageError(f"--servers must be <= {MAX_COUNT}, got {self.servers}")
         check(self.servers if isinstance(self.servers, int) else None, self.priority, self.channels, self.slice_kb,
               self.credit_kb, self.staleness)
-        parse_shard_weights(self.shard_weights)
+        if self.shard_weights is not None:   # the shares themselves from here on (links: resolved once)
+            self.shard_weights = parse_shard_weights(self.shard_weights)
         _at_least("trace_steps", self.trace_steps, 1)
         if self.strategy != "ps":
             given = [f for f in ("servers", "channels", "slice_kb", "credit_kb", "shard_weights")
@@ -546,9 +547,7 @@ class TrainConfig:
                              "dedicated server ranks")
         if self.sync.staleness:
             self._validate_stale()
-        from convoy.ps.settings import parse_shard_weights
-
-        weights = parse_shard_weights(self.sync.shard_weights)
+        weights = self.sync.shard_weights
         if weights and len(weights) != world:
             raise UsageError(f"--shard-weights needs one share per process ({world}), got {len(weights)}")
         if self.optim.clip_grad_norm is not None or self.optim.amp == "fp16":

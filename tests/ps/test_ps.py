@@ -117,14 +117,16 @@ def test_link_shares_leave_the_busiest_link_no_busier_than_any_other_split(rates
 def test_link_shares_place_vgg_fc_so_a_slow_link_carries_less_than_a_ring_would():
     rates = [100e6, 100e6, 100e6, 25e6]
     units, sizes = _vgg_fc_units(4)
-    for weights in ((), link_shares(rates)):
+
+    def held(weights) -> list[float]:
         owner = place_units(units, sizes, 4, weights)
-        held = [sum(b for b, o in zip(sizes, owner) if o == s) / sum(sizes) for s in range(4)]
-        if not weights:
-            ring = _busiest_link(held, rates)
-            assert ring == pytest.approx(1.5 / 25e6, rel=0.03)   # every link carries 2 (N - 1) / N
-    assert held[3] < 0.02 and all(0.3 < f < 0.37 for f in held[:3]), held
-    assert _busiest_link(held, rates) < 0.72 * ring   # about 1 + 2 x 0.01 of the model instead of 1.5
+        return [sum(b for b, o in zip(sizes, owner) if o == s) / sum(sizes) for s in range(4)]
+
+    ring = _busiest_link(held(()), rates)
+    assert ring == pytest.approx(1.5 / 25e6, rel=0.03)   # equal shares: every link carries 2 (N - 1) / N
+    fitted = held(link_shares(rates))
+    assert fitted[3] < 0.02 and all(0.3 < f < 0.37 for f in fitted[:3]), fitted
+    assert _busiest_link(fitted, rates) < 0.72 * ring   # about 1 + 2 x 0.01 of the model instead of 1.5
 
 
 def test_colocated_pushes_go_in_turns_one_stream_per_server():
