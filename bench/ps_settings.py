@@ -8,7 +8,8 @@ the first two steps (`time_to_accuracy.step_figures`). The defaults of
 `--sync ps` (graph priority, 256 KB slices, a 512 KB acknowledged window per
 peer, 2 channels) are the row every other ps row is compared with; the
 settings that could bring its step nearer the ring all-reduce's are the rows.
-Writes bench/results/ps_settings_<model>_<rate>.{json,md}.
+The hosts run this machine's TCP congestion control unless `--tcp-congestion`
+names one. Writes bench/results/ps_settings_<model>_<rate>[_<congestion>].{json,md}.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def run_setting(key: str, args: argparse.Namespace, out: Path) -> dict:
     command = ["train", *options, "--model", args.model, "--lr", str(args.lr), "--batch-size",
                str(args.batch_size), "--steps", str(args.steps), "--eval-every", "0", "--no-progress",
                "--out", str(out)]
-    result = subprocess.run(launcher(command, args.hosts, args.rate), capture_output=True, text=True)
+    result = subprocess.run(launcher(command, args.hosts, args.rate, tcp_congestion=args.tcp_congestion),
+                            capture_output=True, text=True)
     if result.returncode != 0:
         return {"setting": name, "error": result.stderr.strip().splitlines()[-1] if result.stderr else "failed"}
     return {"setting": name, **step_figures(out, skip=2)}
@@ -57,6 +59,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--tcp-congestion", metavar="NAME", help="the hosts' TCP congestion control, e.g. cubic "
+                        "(default: this machine's); the results' names end in _NAME")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,7 +72,8 @@ def main() -> None:
         step = row.get("step_s")
         row["vs_all_reduce"] = step / steps["all-reduce"] if step and steps.get("all-reduce") else None
         row["vs_ps_defaults"] = step / steps[DEFAULT] if step and steps.get(DEFAULT) else None
-    save(f"ps_settings_{args.model}_{args.rate}", vars(args), rows,
+    suffix = f"_{args.tcp_congestion}" if args.tcp_congestion else ""
+    save(f"ps_settings_{args.model}_{args.rate}{suffix}", vars(args), rows,
          ["setting", "step_s", "vs_all_reduce", "vs_ps_defaults", "MB_sent/step", "error"])
 
 

@@ -114,14 +114,17 @@ def link_shares(args: argparse.Namespace) -> str:
     return "links:" + ",".join(f"{int(rate)}bit" for rate in rates)
 
 
-def launcher(command: list[str], hosts: int, rate: str, cluster: str | None = None) -> list[str]:
+def launcher(command: list[str], hosts: int, rate: str, cluster: str | None = None,
+             tcp_congestion: str | None = None) -> list[str]:
     """``command`` on ``hosts`` emulated hosts (``cluster``: a cluster file that describes them, slow
-    hosts included), or as ``hosts`` local processes when ``rate`` is loopback."""
+    hosts included; ``tcp_congestion``: their TCP congestion control, else the machine's), or as
+    ``hosts`` local processes when ``rate`` is loopback."""
+    congestion = ["--tcp-congestion", tcp_congestion] if tcp_congestion else []
     if cluster:
-        return [sys.executable, "-m", "convoy", "bench", "cluster", "--cluster", cluster, "--", *command]
+        return [sys.executable, "-m", "convoy", "bench", "cluster", "--cluster", cluster, *congestion, "--", *command]
     if rate != "loopback":
         return [sys.executable, "-m", "convoy", "bench", "cluster", "--hosts", str(hosts), "--rate", rate,
-                "--", *command]
+                *congestion, "--", *command]
     if command[0] == "train":
         return [sys.executable, "-m", "convoy", *command, "--nproc", str(hosts)]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(hosts), *command]

@@ -7,7 +7,8 @@ import signal
 import sys
 
 from convoy.cli.launch import run_ranks
-from convoy.emulation import EmulatedCluster, Topology, leftover_namespaces, parse_rate, remove_namespaces
+from convoy.emulation import (EmulatedCluster, Topology, leftover_namespaces, machine_congestion_control, parse_rate,
+                              remove_namespaces)
 from convoy.errors import UsageError
 from convoy.sim.cluster import load_cluster
 
@@ -32,6 +33,11 @@ slower link (shaped both ways).
 `speeds = [1, 1, 1, 0.25]` makes the last host a straggler: its processes get a
 quarter of the CPU share of the others (a cgroup CPU cap). The simulator's
 latency_ms, wake_ms, cores and lanes have no effect here.
+
+The hosts use this machine's TCP congestion control unless --tcp-congestion
+names one: with bbr, several flows that share a shaped link fill it less than
+one flow does, with cubic (Linux's default) they fill it about as well, so
+all-to-all traffic (parameter servers) and a ring compare differently.
 """
 DEFAULT_HOSTS, DEFAULT_RATE = 4, "100mbit"
 
@@ -48,6 +54,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     cluster.add_argument("--inter-rack-rate", help="rate of the link joining the racks (needed with --racks > 1)")
     cluster.add_argument("--cluster", metavar="FILE", help="hosts, links and host speeds from a cluster file "
                          "(TOML or JSON, see above) instead of --hosts/--rate/--racks")
+    cluster.add_argument("--tcp-congestion", metavar="NAME",
+                         help="TCP congestion control of every host, e.g. cubic or bbr (default: this machine's, "
+                         "sysctl net.ipv4.tcp_congestion_control)")
     cluster.add_argument("--cleanup", action="store_true",
                          help="only remove namespaces left by runs that were killed, then exit")
     cluster.add_argument("command", nargs=argparse.REMAINDER, help="train [...] or SCRIPT.py [...]")
@@ -82,8 +91,9 @@ def run_cluster(args: argparse.Namespace) -> int:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     # SIGTERM must unwind like Ctrl-C so the namespaces are removed.
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    with EmulatedCluster(topology) as cluster:
-        print(f"convoy: {_describe(topology)}", flush=True)
+    with EmulatedCluster(topology, congestion_control=args.tcp_congestion) as cluster:
+        congestion = args.tcp_congestion or machine_congestion_control()
+        print(f"convoy: {_describe(topology)}; TCP {congestion}", flush=True)
         return run_ranks(lambda rank: cluster.exec_prefix(rank) + argv, topology.hosts,
                          topology.address(0), "eth0")
 

@@ -5,8 +5,10 @@ One "switch" namespace holds a bridge per rack; each host namespace has an
 veth pair between their bridges. Every link is shaped in both directions with
 a token-bucket filter (tbf) on the egress of both of its ends. A host slower
 than the others (``Topology.speeds``) runs under a CPU cap
-(:mod:`convoy.emulation.cpu`). Nothing touches the machine's own namespace,
-and everything is removed on exit.
+(:mod:`convoy.emulation.cpu`). A host's TCP congestion control is the
+machine's unless one is named (it is a setting of each namespace, and how
+well several flows share a shaped link depends on it). Nothing touches the
+machine's own namespace, and everything is removed on exit.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from convoy.emulation.topology import Topology
 from convoy.errors import UsageError
 
 PREFIX = "convoy"
+_CONGESTION = "net.ipv4.tcp_congestion_control"
+_AVAILABLE_CONGESTION = "/proc/sys/net/ipv4/tcp_available_congestion_control"
 
 
 def check_available() -> None:
@@ -31,6 +35,18 @@ def check_available() -> None:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         raise UsageError(f"emulated clusters need iproute2; not found: {', '.join(missing)}")
+
+
+def machine_congestion_control() -> str:
+    """The TCP congestion control of this machine's namespace (what emulated hosts inherit)."""
+    return open(f"/proc/sys/{_CONGESTION.replace('.', '/')}").read().strip()
+
+
+def check_congestion_control(name: str) -> None:
+    """Raise UsageError unless ``name`` is a TCP congestion control this kernel has loaded."""
+    available = open(_AVAILABLE_CONGESTION).read().split()
+    if name not in available:
+        raise UsageError(f"unknown TCP congestion control {name!r}; this kernel has: {', '.join(available)}")
 
 
 def _run(*argv: str) -> None:
@@ -50,14 +66,21 @@ def _shape(ns: str, dev: str, rate: float) -> None:
 class EmulatedCluster:
     """Builds the namespaces of ``topology`` on enter and removes them on exit.
 
+    Args:
+        topology: the hosts, their links and speeds.
+        tag: prefix of the namespaces' names (default: ``convoy`` and this process's id).
+        congestion_control: every host's TCP congestion control, e.g. ``cubic``; ``None``: the machine's.
+
     Example::
 
-        >>> with EmulatedCluster(Topology(hosts=2, host_rate=100e6)) as cluster:
+        >>> with EmulatedCluster(Topology(hosts=2, host_rate=100e6), congestion_control="cubic") as cluster:
         ...     subprocess.run(cluster.exec_prefix(0) + ["ip", "addr"])
     """
 
-    def __init__(self, topology: Topology, tag: str | None = None):
-        self.topology = topology
+    def __init__(self, topology: Topology, tag: str | None = None, congestion_control: str | None = None):
+        if congestion_control is not None:
+            check_congestion_control(congestion_control)
+        self.topology, self.congestion_control = topology, congestion_control
         self.tag = tag or f"{PREFIX}{os.getpid()}"
         self.switch = f"{self.tag}-sw"
         self.namespaces: list[str] = []
@@ -116,6 +139,8 @@ class EmulatedCluster:
         _run("ip", "-n", self.switch, "link", "set", port, "master", f"br{self.topology.rack_of(host)}", "up")
         _run("ip", "-n", ns, "addr", "add", f"{self.topology.address(host)}/24", "dev", "eth0")
         _run("ip", "-n", ns, "link", "set", "eth0", "up")
+        if self.congestion_control is not None:
+            _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{_CONGESTION}={self.congestion_control}")
         _shape(ns, "eth0", self.topology.rate_of(host))
         _shape(self.switch, port, self.topology.rate_of(host))
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from convoy.emulation import EmulatedCluster, Topology, leftover_namespaces, parse_rate
+from convoy.emulation import EmulatedCluster, Topology, leftover_namespaces, machine_congestion_control, parse_rate
 from convoy.errors import UsageError
 from tests.helpers import convoy, convoy_in_process
 
@@ -44,6 +44,20 @@ def test_a_host_on_a_slower_link_is_shaped_at_its_own_rate_both_ways():
         switch = ["ip", "netns", "exec", cluster.switch]
         assert [rate(cluster.exec_prefix(h), "eth0") for h in (0, 1)] == ["100Mbit", "25Mbit"]
         assert [rate(switch, f"h{h}") for h in (0, 1)] == ["100Mbit", "25Mbit"]
+
+
+@pytest.mark.timeout(300)
+@needs_netns
+def test_hosts_run_the_named_congestion_control_and_the_machine_keeps_its_own():
+    machine = machine_congestion_control()
+    available = open("/proc/sys/net/ipv4/tcp_available_congestion_control").read().split()
+    other = next(name for name in available if name != machine)
+    with EmulatedCluster(Topology(hosts=2, host_rate=1e9), tag="convoycc", congestion_control=other) as cluster:
+        for host in (0, 1):
+            read = subprocess.run(cluster.exec_prefix(host) + ["sysctl", "-n", "net.ipv4.tcp_congestion_control"],
+                                  capture_output=True, text=True).stdout.strip()
+            assert read == other
+    assert machine_congestion_control() == machine
 
 
 @pytest.mark.timeout(300)
@@ -91,7 +105,8 @@ def test_a_training_job_runs_across_emulated_hosts(tmp_path):
 @pytest.mark.timeout(300)
 @needs_netns
 def test_bad_cluster_input_is_one_line_and_exit_2():
-    for args in (["--rate", "fast"], ["--hosts", "0"], ["--hosts", "3", "--racks", "2", "--inter-rack-rate", "1mbit"]):
+    for args in (["--rate", "fast"], ["--hosts", "0"], ["--hosts", "3", "--racks", "2", "--inter-rack-rate", "1mbit"],
+                 ["--tcp-congestion", "warp"]):
         result = convoy_in_process("bench", "cluster", *args, "--", "train")
         assert result.returncode == 2 and "Traceback" not in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
