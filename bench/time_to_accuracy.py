@@ -90,7 +90,8 @@ def step_figures(out: Path, skip: int = 1) -> dict:
     adds jitter. Steps that follow an evaluation carry its time and are left out;
     the rest are taken in whole periods of 4 steps (a multiple of every T the
     benchmarks use). Bytes are averaged over all ranks (in hybrid and ps, roles
-    send different amounts).
+    send different amounts) and count what a rank sends beside its engine (hybrid's
+    link, a colocated rank's server).
     """
     ranks = [_records(path) for path in sorted(out.glob("metrics-rank*.jsonl"))]
     after_eval = {r["step"] for r in ranks[0] if r["kind"] == "eval"}
@@ -101,7 +102,8 @@ def step_figures(out: Path, skip: int = 1) -> dict:
             continue
         whole = steps[:len(steps) // 4 * 4] or steps
         means.append(statistics.mean(r["wall_s"] for r in whole if r["step"] not in after_eval))
-        sent.append(statistics.mean(r["bytes_sent"] + r.get("link_bytes_sent", 0) for r in steps))
+        sent.append(statistics.mean(r["bytes_sent"] + r.get("link_bytes_sent", 0) + r.get("server_bytes_sent", 0)
+                                    for r in steps))
     return {"step_s": statistics.mean(means), "MB_sent/step": statistics.mean(sent) / 1e6}
 
 

@@ -115,6 +115,7 @@ class ParameterServerLayout(ParallelLayout):
         self.is_server = self.roles.is_server(rank) and not settings.colocated
         self.server_engine: Engine | None = None   # colocated: this rank's shard
         self._shared = False   # colocated: the shards restored from a checkpoint were shared
+        self._served = (0, 0)    # colocated: the server's traffic at the last step_metrics
         # Process groups are created collectively, in the same order on every rank.
         codec = RowCodec(AllReduce(None, compressor, None, warmup_steps))
         self.job = build_job(model, self.roles, rank, settings, example, codec)
@@ -170,7 +171,15 @@ class ParameterServerLayout(ParallelLayout):
         return total[0].item() / workers, round(total[1].item() / workers)
 
     def step_metrics(self, step: int) -> dict[str, Any]:
-        return {"role": self._role(), "priority": self.settings.priority}
+        """Colocated, also what the rank's server sent (replies) and took in (pushes) since the last call:
+        its link carries both, and the worker engine's figures count only its pushes and pulls."""
+        metrics: dict[str, Any] = {"role": self._role(), "priority": self.settings.priority}
+        if self.server_engine is not None:
+            sent, received = self.server_engine.sync.traffic()
+            metrics["server_bytes_sent"], metrics["server_bytes_received"] = (sent - self._served[0],
+                                                                              received - self._served[1])
+            self._served = (sent, received)
+        return metrics
 
     def checkpoint_engine(self) -> Engine:
         return self.server_engine if self.server_engine is not None else self.engine

@@ -250,11 +250,13 @@ def _record_step(metrics: MetricsWriter, layout: ParallelLayout, step: int, epoc
     dense = dense_step_bytes(layout.engine, layout.engine.sync.world_size)
     # ru_maxrss is in KiB on Linux: the process's peak resident memory so far.
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    own = layout.step_metrics(step)
     metrics.write("step", epoch=epoch, loss=loss, train_accuracy=train_accuracy, time=elapsed,
                   compression_ratio=dense / stats.bytes_sent if stats.bytes_sent else 1.0, **stats.as_dict(),
-                  peak_rss_mb=peak_rss_mb, **layout.step_metrics(step), **layout.engine.sync.step_metrics(step),
+                  peak_rss_mb=peak_rss_mb, **own, **layout.engine.sync.step_metrics(step),
                   **(layout.engine.gate.step_metrics(step) if layout.engine.gate is not None else {}))
-    return stats.bytes_sent
+    # The rank's link also carries what the layout sends beside its engine (hybrid's link, a colocated server).
+    return stats.bytes_sent + sum(value for key, value in own.items() if key.endswith("_bytes_sent"))
 
 
 def dense_step_bytes(engine: Engine, world_size: int) -> int:

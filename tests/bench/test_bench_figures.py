@@ -5,7 +5,7 @@ import re
 import pytest
 
 from bench.accuracy_at_budget import accuracy_at, budget_rows
-from bench.time_to_accuracy import step_figures
+from bench.time_to_accuracy import launcher, step_figures
 
 
 def _write(path, steps, evals=()):
@@ -32,6 +32,17 @@ def test_ranks_are_averaged(tmp_path):
     figures = step_figures(tmp_path)
     assert figures["step_s"] == pytest.approx(0.3)
     assert figures["MB_sent/step"] == pytest.approx(100e-6)
+
+
+def test_a_colocated_servers_replies_count_as_sent(tmp_path):
+    records = [{"kind": "step", "step": i, "wall_s": 1.0, "bytes_sent": 100, "server_bytes_sent": 60} for i in range(5)]
+    (tmp_path / "metrics-rank0.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    assert step_figures(tmp_path)["MB_sent/step"] == pytest.approx(160e-6)
+
+
+def test_the_launcher_names_the_hosts_congestion_control_only_when_asked():
+    assert launcher(["train"], 4, "100mbit", tcp_congestion="cubic")[-4:] == ["--tcp-congestion", "cubic", "--", "train"]
+    assert "--tcp-congestion" not in launcher(["train"], 4, "100mbit")
 
 
 def _run(strategy, curve, hit):

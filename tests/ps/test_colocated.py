@@ -39,6 +39,7 @@ def _train_colocated(rank: int, world: int, priority: str, kwargs: dict, compres
     layout.engine.synchronize()
     layout.server_engine.synchronize()
     stats = layout.engine.stats(STEPS - 1)
+    served = layout.step_metrics(STEPS - 1)   # the first call: the server's traffic over the whole run
     layout.engine.close()
     job = layout.job
     mine = set(job.layers_of(rank))
@@ -47,9 +48,13 @@ def _train_colocated(rank: int, world: int, priority: str, kwargs: dict, compres
     pulled = sum(4 * job.numel(u) + HEADER_BYTES * len(job.pull.table[u]) for u in remote)
     # A push is a row: one int64 size per payload tensor (dense: one), then the values.
     pushed = sum(4 * job.numel(u) + 8 + HEADER_BYTES * len(job.push.table[u]) for u in remote)
+    # Every step, the server replies with its units to the other ranks and takes in their pushes.
+    replied = STEPS * (world - 1) * sum(4 * job.numel(u) + HEADER_BYTES * len(job.pull.table[u]) for u in mine)
+    taken = STEPS * (world - 1) * sum(4 * job.numel(u) + 8 + HEADER_BYTES * len(job.push.table[u]) for u in mine)
     return {"params": flat(model), "losses": losses, "units": len(job.layers), "shard": sorted(mine),
             "held": sum(job.numel(u) for u in mine),
-            "received": stats.bytes_received, "sent": stats.bytes_sent, "pulled": pulled, "pushed": pushed}
+            "received": stats.bytes_received, "sent": stats.bytes_sent, "pulled": pulled, "pushed": pushed,
+            "served": (served["server_bytes_sent"], served["server_bytes_received"]), "replied": (replied, taken)}
 
 
 def _train_allreduce(rank: int, world: int):
@@ -107,6 +112,9 @@ def test_every_rank_serves_a_shard_of_cut_layers_and_its_own_shard_stays_off_the
     for rank in range(WORLD):
         run = job[rank]["graph"]
         assert run["received"] == run["pulled"] and run["sent"] == run["pushed"], rank
+        # The rank's server's traffic is in its metrics too: its link carries the replies beside the pushes.
+        for name in ("graph", "fifo", "weighted"):
+            assert job[rank][name]["served"] == job[rank][name]["replied"], (rank, name)
 
 
 @pytest.mark.timeout(600)
