@@ -208,11 +208,19 @@ def _sparse_accuracy_seeds() -> str:
                    times(r["ratio_to_dense"])] for r in rows])
 
 
-def _ps_settings() -> str:
-    rows = rows_of("ps_settings_vgg_fc_100mbit")
-    return table(["setting", "step", "step / all-reduce step", "step / ps defaults' step"],
-                 [[r["setting"], seconds(r.get("step_s")) if "error" not in r else f"failed: {r['error']}",
-                   times(r.get("vs_all_reduce")), times(r.get("vs_ps_defaults"))] for r in rows])
+def _ps_settings(name: str) -> Callable[[], str]:
+    def render() -> str:
+        return table(["setting", "step", "step / all-reduce step", "step / ps defaults' step"],
+                     [[r["setting"], seconds(r.get("step_s")) if "error" not in r else f"failed: {r['error']}",
+                       times(r.get("vs_all_reduce")), times(r.get("vs_ps_defaults"))] for r in rows_of(name)])
+    return render
+
+
+def _link_patterns() -> str:
+    rows = rows_of("link_patterns_100mbit")
+    return table(["TCP congestion control", "pattern", "each host's uplink", "of the ring's", "repeats"],
+                 [[r["tcp_congestion"], r["pattern"], f"{r['Mbit_per_s']:.1f} Mbit/s", percent(r["vs_ring"]),
+                   ", ".join(f"{v:g}" for v in r["repeats_Mbit_per_s"])] for r in rows])
 
 
 def _staleness_rules() -> str:
@@ -319,9 +327,10 @@ def _ps(name: str) -> Callable[[], str]:
 PS_COLOCATED = ("time_to_accuracy_vgg_fc_100mbit_ps", "time_to_accuracy_resnet18_100mbit_ps")
 
 
-def _ps_steps(*names: str, versus: str = "graph step") -> Callable[[], str]:
+def _ps_steps(*names: str, versus: str = "graph step", sent: str = "MB sent / step / rank") -> Callable[[], str]:
     """Step time of colocated servers against convoy's ring all-reduce and against the ps-colocated row
-    (graph priority, equal shares) of the same run."""
+    (graph priority, equal shares) of the same run; ``sent`` heads the bytes column (results measured
+    before the metrics counted a colocated rank's server hold its pushes only)."""
     def render() -> str:
         cells = []
         for name in names:
@@ -335,8 +344,7 @@ def _ps_steps(*names: str, versus: str = "graph step") -> Callable[[], str]:
                               times(step / steps["dense"]) if step and steps.get("dense") else "-",
                               times(step / steps["ps-colocated"]) if step and steps.get("ps-colocated") else "-",
                               number(r.get("MB_sent/step"))])
-        return table(["model", "strategy", "step", "step / all-reduce step", f"step / {versus}",
-                      "MB sent / step / rank (ps: its pushes only)"], cells)
+        return table(["model", "strategy", "step", "step / all-reduce step", f"step / {versus}", sent], cells)
     return render
 
 
@@ -624,11 +632,20 @@ BLOCKS: tuple[Block, ...] = (
           "--cluster bench/slow_link.toml --tag steps --strategies dense ps-colocated ps-colocated-by-link "
           "ps-colocated-s2-by-link",
           "convoy's ring all-reduce (dense) and the servers on equal shares (ps-colocated), in the same run",
-          _ps_steps("time_to_accuracy_vgg_fc_slow_link_steps", versus="equal shares' step"), emulated=True),
+          _ps_steps("time_to_accuracy_vgg_fc_slow_link_steps", versus="equal shares' step",
+                    sent="MB sent / step / rank (ps: its pushes only)"), emulated=True),
     Block("ps_settings", "The colocated step under its transfer settings, vgg_fc, 4 hosts at 100 Mbit",
           ("ps_settings_vgg_fc_100mbit",), "python bench/ps_settings.py --hosts 4 --rate 100mbit --model vgg_fc "
-          "--steps 25", "convoy's ring all-reduce and the ps defaults, in the same run", _ps_settings,
-          emulated=True),
+          "--steps 25", "convoy's ring all-reduce and the ps defaults, in the same run",
+          _ps_settings("ps_settings_vgg_fc_100mbit"), emulated=True),
+    Block("ps_settings_cubic", "The colocated step under its transfer settings, hosts on TCP cubic",
+          ("ps_settings_vgg_fc_100mbit_cubic",), "python bench/ps_settings.py --hosts 4 --rate 100mbit "
+          "--model vgg_fc --steps 25 --tcp-congestion cubic",
+          "convoy's ring all-reduce and the ps defaults, in the same run",
+          _ps_settings("ps_settings_vgg_fc_100mbit_cubic"), emulated=True),
+    Block("link_patterns", "How much of each link a ring and all-to-all traffic get, 4 hosts at 100 Mbit",
+          ("link_patterns_100mbit",), "python bench/link_patterns.py --hosts 4 --rate 100mbit --repeats 5",
+          "the ring pattern in the same cluster", _link_patterns, emulated=True),
     Block("staleness_rules", "What a fixed delay of 2 steps costs vgg_fc, simulated in one process",
           ("staleness_rules",), "python bench/staleness_rules.py",
           "the synchronous rule (staleness 0) on the same seeds", _staleness_rules),

@@ -35,9 +35,10 @@ quarter of the CPU share of the others (a cgroup CPU cap). The simulator's
 latency_ms, wake_ms, cores and lanes have no effect here.
 
 The hosts use this machine's TCP congestion control unless --tcp-congestion
-names one: with bbr, several flows that share a shaped link fill it less than
-one flow does, with cubic (Linux's default) they fill it about as well, so
-all-to-all traffic (parameter servers) and a ring compare differently.
+names one (e.g. cubic, Linux's default, or bbr). How fully several flows that
+share a shaped link fill it depends on it, so all-to-all traffic (parameter
+servers) and a ring compare differently under each; bench/link_patterns.py
+measures both patterns.
 """
 DEFAULT_HOSTS, DEFAULT_RATE = 4, "100mbit"
 

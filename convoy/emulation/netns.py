@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Sequence
 
 import psutil
@@ -39,12 +40,12 @@ def check_available() -> None:
 
 def machine_congestion_control() -> str:
     """The TCP congestion control of this machine's namespace (what emulated hosts inherit)."""
-    return open(f"/proc/sys/{_CONGESTION.replace('.', '/')}").read().strip()
+    return Path("/proc/sys", *_CONGESTION.split(".")).read_text().strip()
 
 
 def check_congestion_control(name: str) -> None:
     """Raise UsageError unless ``name`` is a TCP congestion control this kernel has loaded."""
-    available = open(_AVAILABLE_CONGESTION).read().split()
+    available = Path(_AVAILABLE_CONGESTION).read_text().split()
     if name not in available:
         raise UsageError(f"unknown TCP congestion control {name!r}; this kernel has: {', '.join(available)}")
 
