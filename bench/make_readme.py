@@ -42,8 +42,13 @@ def load(name: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def loaded(*names: str) -> list[dict[str, Any]]:
+    """The result files of ``names`` that exist, in order."""
+    return [data for name in names if (data := load(name))]
+
+
 def rows_of(*names: str) -> list[Row]:
-    return [row for name in names if (data := load(name)) for row in data.get("rows", [])]
+    return [row for data in loaded(*names) for row in data.get("rows", [])]
 
 
 def seconds(value: Any, missing: str = "-") -> str:
@@ -234,12 +239,10 @@ def _time_to_accuracy(*names: str, reference: str | None = None) -> Callable[[],
     """Rows of time_to_accuracy files; ``reference`` supplies the dense row where a file has none."""
     def render() -> str:
         cells = []
-        for name in names:
-            data = load(name)
-            if not data:
-                continue
+        for data in loaded(*names):
             rows = data["rows"]
-            dense = next((r for r in rows + rows_of(reference or name) if r["strategy"] == "dense"), None)
+            dense = next((r for r in rows + (rows_of(reference) if reference else []) if r["strategy"] == "dense"),
+                         None)
             for r in rows:
                 hit = r.get("time_to_target_s")
                 links = data["settings"].get("cluster") or data["settings"].get("rate", "-")
@@ -333,10 +336,7 @@ def _ps_steps(*names: str, versus: str = "graph step", sent: str = "MB sent / st
     before the metrics counted a colocated rank's server hold its pushes only)."""
     def render() -> str:
         cells = []
-        for name in names:
-            data = load(name)
-            if not data:
-                continue
+        for data in loaded(*names):
             steps = {r["strategy"]: r.get("step_s") for r in data["rows"]}
             for r in data["rows"]:
                 step = r.get("step_s")
