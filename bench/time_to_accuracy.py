@@ -45,8 +45,8 @@ STRATEGIES: dict[str, list[str]] = {
     "fp16": ["train", "--compress", "fp16"],
     "topk": ["train", "--compress", "topk"],
     "blocktopk": ["train", "--compress", "blocktopk", "--block-fraction", "0.01"],
-    "convoy-powersgd": ["train", "--compress", "powersgd"],   # convoy train's default rank
-    "convoy-powersgd-r2": ["train", "--compress", "powersgd", "--powersgd-rank", "2"],
+    "convoy-powersgd": ["train", "--compress", "powersgd", "--powersgd-rank", "2"],   # as earlier results ran it
+    "convoy-powersgd-r4": ["train", "--compress", "powersgd", "--powersgd-rank", "4"],
     "blocktopk-10%": ["train", "--compress", "blocktopk", "--block-fraction", "0.1"],
     "blocktopk-global": ["train", "--compress", "blocktopk", "--block-fraction", "0.01",
                          "--block-selection", "global"],
@@ -71,7 +71,7 @@ STRATEGIES: dict[str, list[str]] = {
     FLOOR: [PEER, "--no-exchange"],
 }
 # What a run without --strategies compares: the floor, the tuned peers and convoy's compressed strategies.
-DEFAULT_STRATEGIES = [FLOOR, *TUNED_PEERS, "dense", "convoy-powersgd", "blocktopk", "fp16"]
+DEFAULT_STRATEGIES = [FLOOR, *TUNED_PEERS, "dense", "convoy-powersgd-r4", "blocktopk", "fp16"]
 
 
 def run_strategy(name: str, args: argparse.Namespace, out: Path) -> dict:
