@@ -8,7 +8,7 @@ import traceback
 from typing import Callable, NoReturn
 
 from convoy.errors import JobStopped, StartupFailed, TrainingDiverged, UsageError, one_line
-from convoy.utils.lifetime import Stopped
+from convoy.utils.lifetime import StopOverdue, Stopped
 
 ERROR_FILE_ENV = "CONVOY_ERROR_FILE"
 DIVERGED_EXIT = 3   # the run stopped on a non-finite loss or gradient
@@ -32,6 +32,10 @@ def is_stop(code: int) -> bool:
 
 
 def _summary(exc: BaseException, rank: int) -> str:
+    if isinstance(exc, StopOverdue):
+        return (f"stopped by {exc} to rank {rank}: the other ranks did not agree on a step to stop at within "
+                f"{exc.bound_s:g} s (gone or unreachable), so it ended alone; a resume goes on from the last "
+                "committed checkpoint")
     if isinstance(exc, Stopped):
         return f"stopped by {exc} to rank {rank} before training started"
     return str(exc) if isinstance(exc, (UsageError, TrainingDiverged, JobStopped, StartupFailed)) \
