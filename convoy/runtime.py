@@ -116,7 +116,8 @@ class _Joining:
         if os.environ.get(BIND_STORE_ENV):
             return _bound_store(self.rank, self.world, self.left())
         if self.rank == 0 and os.environ.get(AGENT_STORE_ENV) != str(True):
-            return dist.TCPStore(self.addr, self.port, self.world, True, self.left())   # as env:// does
+            # As env:// does, but without waiting here for the others: a missing peer is reported as one.
+            return dist.TCPStore(self.addr, self.port, self.world, True, self.left(), wait_for_workers=False)
         _wait_reachable(self.addr, self.port, self.deadline)
         store = dist.TCPStore(self.addr, self.port, self.world, False, self.left())
         if os.environ.get(AGENT_STORE_ENV) == str(True):
