@@ -164,10 +164,15 @@ def _join(backend: str, timeout_s: float) -> None:
         helper.join(0.1)
     if helper.is_alive():
         raise joining.failure()
-    if joining.error is not None:
-        if joining.stage != "done" and isinstance(joining.error, (dist.DistError, TimeoutError)):
-            raise joining.failure() from joining.error
-        raise joining.error
+    error = joining.error
+    if error is not None:
+        if joining.stage != "done" and isinstance(error, (dist.DistError, TimeoutError)):
+            raise joining.failure() from error
+        if joining.stage == "peers" and "connectFullMesh" in str(error):   # gloo gave up first
+            # Its reason names the address the peer gave, e.g. "Connection refused, remote=[127.0.0.1]:42405".
+            reason = str(error).splitlines()[0].rsplit("] ", 1)[-1][:200]
+            raise StartupFailed(f"{joining.failure()} (gloo: {reason})") from error
+        raise error
 
 
 def _resolves(name: str) -> str:

@@ -141,9 +141,11 @@ def test_a_host_name_the_other_host_cannot_reach_fails_within_the_timeout_with_o
     loopback or to the machine's own address, outside the other namespace's reach."""
     tmp = reference
     agents = _torchrun(hosts, tmp, tmp / "never", tmp / "unreachable", ("--timeout", "5"), gloo_interface=None)
-    for agent in agents:
-        assert agent.returncode != 0
-        lines = [line for line in agent.stderr.splitlines() if line.startswith("convoy:")]
-        assert len(lines) == 1, agent.stderr[-3000:]
-        assert "could not connect to every other rank within 5 s (--timeout)" in lines[0], lines[0]
-        assert "GLOO_SOCKET_IFNAME" in lines[0] and "--local-addr" in lines[0], lines[0]
+    assert all(agent.returncode != 0 for agent in agents)
+    lines = [[line for line in agent.stderr.splitlines() if line.startswith("convoy:")] for agent in agents]
+    assert all(len(said) == 1 for said in lines), _convoy_lines(agents)
+    failed = [said[0] for said in lines if "could not connect to every other rank within 5 s (--timeout)" in said[0]]
+    # The first host to fail ends the rendezvous; the other agent may then stop its worker first.
+    assert failed and all(said[0] in failed or said[0].endswith("before training started") for said in lines), \
+        _convoy_lines(agents)
+    assert all("GLOO_SOCKET_IFNAME" in line and "--local-addr" in line for line in failed), failed
