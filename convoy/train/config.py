@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from convoy.compress import DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, DEFAULT_METRIC, DEFAULT_POWERSGD_RANK
+from convoy.compress import (DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, DEFAULT_METRIC, DEFAULT_POWERSGD_RANK,
+                             MOMENTUM_CORRECTED_NAMES)
 from convoy.errors import UsageError
 from convoy.ps.settings import DEFAULT_CHANNELS, DEFAULT_CREDIT_KB, DEFAULT_SLICE_KB
 from convoy.utils.suggest import did_you_mean
@@ -316,7 +317,7 @@ class CompressConfig:
     momentum_masking: bool = _opt(False, "with momentum correction and a sparse compressor: zero the velocity "
                                   "where a value that had waited is sent (DGC's momentum factor masking; off by "
                                   "default: it slowed vgg_fc's start, docs/compression.md)")
-    momentum_correction: bool = _opt(True, "blocktopk, topk, randomk, powersgd with sgd and --momentum > 0: "
+    momentum_correction: bool = _opt(True, f"{', '.join(MOMENTUM_CORRECTED_NAMES)} with sgd and --momentum > 0: "
                                      "accumulate the velocity on each worker and compress that (error feedback "
                                      "on the velocity), applying the average without the optimizer's momentum")
     clip_norm: float = _opt(5.0, "with momentum correction: clip each layer's local gradient to this L2 "

@@ -42,7 +42,8 @@ def supported_kwargs(optimizer_class: type, **candidates: Any) -> dict[str, Any]
 
 
 def corrects_momentum(config: TrainConfig) -> bool:
-    """Whether ``config`` trains with momentum correction: SGD with momentum and a sparse or low-rank compressor.
+    """Whether ``config`` trains with momentum correction: SGD with momentum and a sparse, low-rank or fp16
+    compressor (``MOMENTUM_CORRECTED_NAMES``).
 
     The workers then keep the momentum (and weight decay) in their error-feedback
     memory, and the layer optimizers step without either.
