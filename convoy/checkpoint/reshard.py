@@ -66,6 +66,7 @@ from pathlib import Path
 
 import torch
 
+from convoy.checkpoint import faults
 from convoy.checkpoint.difflog import DiffLog, log_path
 from convoy.checkpoint.format import CommitRecord, FormatError, Layout
 from convoy.checkpoint.listener import model_file, rank_file
@@ -100,8 +101,9 @@ class Deal:
     retrained: int        # logged steps after ``step`` that the new world trains again
     inexact: int          # elements whose mean could not be kept bit for bit (see the module's text)
     record: CommitRecord  # rank 0's record of ``step``: generation, epoch and position
-    model_area: int       # the model file's area that holds ``step``
+    model_area: int       # the model file's area whose snapshot (of step ``model_base``) ``step`` extends
     model_generation: int
+    model_base: int
 
 
 def rank_files(directory: Path) -> dict[int, Path]:
@@ -157,13 +159,11 @@ def deal_mean(parts: list[torch.Tensor], world: int) -> tuple[list[torch.Tensor]
     old = len(parts)
     if world % old == 0:
         return [parts[j % old].clone() for j in range(world)], 0
-    total = torch.zeros(parts[0].shape, dtype=torch.float64)
-    for part in parts:
-        total += part.double()
-    target = total * world / old
+    total, rounded = _exact_scaled_sum(parts, world)
+    target = total / old   # exact when ``old`` is a power of two; else one float64 rounding (not counted)
     if world == 1:
         head = target.float()
-        return [head], int((head.double() != target).sum())
+        return [head], int(((head.double() != target) | rounded).sum())
     bulk = (target / (world - 1)).float()
     bulk_sum = bulk.double() * (world - 1)
     tail = (target - bulk_sum).float()
@@ -180,7 +180,27 @@ def deal_mean(parts: list[torch.Tensor], world: int) -> tuple[list[torch.Tensor]
         for j in range(world):
             out[j] = torch.where(fits, out[j], terms[j])
         inexact = int(((left != 0) & ~fits).sum())
-    return out, inexact
+    return out, inexact + int((rounded & fits).sum())
+
+
+def _exact_scaled_sum(parts: list[torch.Tensor], world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``world * sum(parts)`` in float64, and where that is not exact: each addition's error is
+    found by TwoSum (Knuth), the product's by splitting the sum in halves of 26 and 27 bits
+    (Veltkamp), each of which times a small integer is exact."""
+    total = torch.zeros(parts[0].shape, dtype=torch.float64)
+    rounded = torch.zeros(parts[0].shape, dtype=torch.bool)
+    for part in parts:
+        value = part.double()
+        new = total + value
+        back = new - total
+        rounded |= ((total - (new - back)) + (value - back)) != 0
+        total = new
+    product = total * world
+    split = total * 134217729.0   # 2^27 + 1
+    high = split - (split - total)
+    low = total - high
+    rounded |= ((high * world - product) + low * world) != 0
+    return product, rounded
 
 
 def deal_states(states: list[dict[str, torch.Tensor]], world: int) -> tuple[list[dict[str, torch.Tensor]], int]:
@@ -223,8 +243,8 @@ def deal_states(states: list[dict[str, torch.Tensor]], world: int) -> tuple[list
 
 # ------------------------------------------------------------------ on disk
 def plan_deal(directory: Path, old_world: int, world: int) -> Deal:
-    """Read the newest step that the model file holds as a full snapshot and every old rank file
-    holds, and deal its rank states to ``world``. Reads only.
+    """Read the newest step that the model file can restore and every old rank file holds, and
+    deal its rank states to ``world``. Reads only.
 
     Raises:
         UsageError: a rank file is missing or damaged, or no step is held by them all.
@@ -246,7 +266,9 @@ def plan_deal(directory: Path, old_world: int, world: int) -> Deal:
     finally:
         store.close()
     points = restore_points(mpath, reports)
-    full = {step for step, point in points.items() if not point.updates}
+    # A step the model file reaches through its log counts too: a resume applies the logged updates
+    # to the model (the rank files hold that step's state themselves, so nothing per rank is replayed).
+    full = set(points)
     stores, reports_by_rank = [], []
     try:
         for rank in range(old_world):
@@ -270,7 +292,8 @@ def plan_deal(directory: Path, old_world: int, world: int) -> Deal:
             store.close()
     dealt, inexact = deal_states(states, world)
     report = points[step].report
-    return Deal(dealt, step, max(points) - step, inexact, records[0], report.area, report.record.generation)
+    return Deal(dealt, step, max(points) - step, inexact, records[0], report.area, report.record.generation,
+                report.record.step)
 
 
 def reshard(directory: Path, old_world: int, world: int) -> Deal:
@@ -292,7 +315,7 @@ def reshard(directory: Path, old_world: int, world: int) -> Deal:
         _write_rank_file(staging / rank_file(directory, rank).name, state, rank, world, record)
     sync_folder(staging)
     plan = {"from": old_world, "to": world, "step": deal.step, "model_area": deal.model_area,
-            "model_generation": deal.model_generation}
+            "model_generation": deal.model_generation, "model_base": deal.model_base}
     tmp = staging / (PLAN + ".tmp")
     with open(tmp, "w") as f:
         json.dump(plan, f)
@@ -300,6 +323,7 @@ def reshard(directory: Path, old_world: int, world: int) -> Deal:
         os.fsync(f.fileno())
     os.replace(tmp, staging / PLAN)   # the commit point of the re-deal
     sync_folder(staging)
+    faults.halfway("reshard", 0)      # a crash test's kill point: committed, not yet in place
     complete(directory)
     return deal
 
@@ -333,7 +357,7 @@ def complete(directory: Path) -> bool:
     # give the state they would have had; they train those steps again.
     log = log_path(model_file(directory, 0), plan["model_area"])
     if log.exists():
-        DiffLog.reopen(log, plan["model_generation"], step, step).close()
+        DiffLog.reopen(log, plan["model_generation"], plan["model_base"], step).close()
     old = staging / "old"
     old.mkdir(exist_ok=True)
     for rank in range(old_world):
@@ -341,6 +365,7 @@ def complete(directory: Path) -> bool:
         if path.exists() and (rank >= world or new.exists()):
             os.replace(path, old / path.name)
     sync_folder(old)
+    faults.halfway("reshard", 1)   # a crash test's kill point: the old files out, the new ones not in
     for rank in range(world):
         new = staging / rank_file(directory, rank).name
         if new.exists():

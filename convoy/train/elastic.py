@@ -101,7 +101,8 @@ def _adapt(config: TrainConfig, model: nn.Module, world: int) -> tuple[str, obje
             f"{global_batch} kept ({batch} per worker{' per micro-batch' if accum > 1 else ''}), per-rank state "
             f"re-dealt at step {deal.step}")
     if deal.retrained:
-        note += f" (the newest full snapshot: the {deal.retrained} logged steps after it are trained again)"
+        note += (f" (the newest step every rank file holds: the {deal.retrained} logged steps after it are "
+                 "trained again)")
     if deal.inexact:
         note += (f"; {deal.inexact} residual values kept their mean only to float32 precision "
                  "(their values span too wide a range to be dealt exactly)")
