@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from torch import nn
 from convoy import runtime
 from convoy.checkpoint.format import FormatError
 from convoy.checkpoint.listener import model_file
-from convoy.checkpoint.reshard import cleanup, complete, rank_files, recorded_job, reshard
+from convoy.checkpoint.reshard import STAGING, cleanup, complete, rank_files, recorded_job, reshard
 from convoy.checkpoint.snapshot import model_layout
 from convoy.checkpoint.store import Store
 from convoy.errors import UsageError
@@ -78,6 +79,8 @@ def _adapt(config: TrainConfig, model: nn.Module, world: int) -> tuple[str, obje
         for rank, path in rank_files(directory).items():
             if rank >= world:
                 path.unlink()
+        # Nor may a re-deal a kill interrupted be completed later over the new job's files.
+        shutil.rmtree(directory / STAGING, ignore_errors=True)
         return None
     complete(directory)   # a re-deal that a kill interrupted after it was committed
     cleanup(directory)    # one the new world has committed a step after
