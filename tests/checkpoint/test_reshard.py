@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from convoy.checkpoint.recovery import rank_file_tensors, scan
-from convoy.checkpoint.reshard import STAGING, deal_mean, deal_states, rank_files
+from convoy.checkpoint.reshard import STAGING, complete, deal_mean, deal_states, rank_files, recorded_job, reshard
 from convoy.checkpoint.store import Store
 from convoy.errors import UsageError
 from tests.helpers import convoy_in_process, one_line_error, saved_model
@@ -176,10 +176,27 @@ def test_a_resume_that_cannot_be_mapped_is_refused_in_one_line_and_changes_nothi
     assert _fingerprint(directory) == before
 
 
-# What a start on 3 workers does to the directory (convoy.train.elastic): finish a committed re-deal, else re-deal.
-_RESHARD = "from pathlib import Path; import sys; from convoy.checkpoint.reshard import complete, recorded_job, " \
-           "reshard; d = Path(sys.argv[1]); complete(d); job = recorded_job(d); " \
-           "job.world == 3 or reshard(d, job.world, 3)"
+def _start_on_three(directory: Path) -> None:
+    """What a start on 3 workers does to the directory (convoy.train.elastic): finish a committed
+    re-deal, else re-deal."""
+    complete(directory)
+    job = recorded_job(directory)
+    if job.world != 3:
+        reshard(directory, job.world, 3)
+
+
+_START_ON_THREE = ("import sys; from pathlib import Path; from tests.checkpoint.test_reshard import _start_on_three; "
+                   "_start_on_three(Path(sys.argv[1]))")
+
+
+def _killed_start_on_three(directory: Path, kill: str) -> int:
+    """:func:`_start_on_three` in a fresh interpreter that the kill point ``kill`` SIGKILLs (a fork of
+    this process could inherit a lock some thread of torch's holds); its return code."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+           "CONVOY_CHECKPOINT_KILL": kill}
+    return subprocess.run([sys.executable, "-c", _START_ON_THREE, str(directory)], env=env, cwd=root,
+                          timeout=240).returncode
 
 
 @pytest.mark.timeout(300)
@@ -190,19 +207,15 @@ def test_a_kill_during_the_re_deal_leaves_a_directory_that_resumes_to_the_same_s
     reference, directory = tmp_path / "reference", tmp_path / "ckpt"
     shutil.copytree(checkpoint, reference)
     shutil.copytree(checkpoint, directory)
-    run = [sys.executable, "-c", _RESHARD]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    subprocess.run([*run, str(reference)], env=env, check=True, timeout=240)
+    _start_on_three(reference)
     store = Store.open(checkpoint / "state-rank0.ckpt")
     try:   # the re-dealt files are committed with the generation rank 0's file has at step 30
         generation = max(r.record.generation for r in scan(store) if r.valid)
     finally:
         store.close()
-    killed = subprocess.run([*run, str(directory)], env={**env, "CONVOY_CHECKPOINT_KILL": kill.format(
-        generation=generation)}, timeout=240)
-    assert killed.returncode == -signal.SIGKILL
+    assert _killed_start_on_three(directory, kill.format(generation=generation)) == -signal.SIGKILL
     # Whatever the kill left, the next start finishes or redoes the re-deal: the same state as without it.
-    subprocess.run([*run, str(directory)], env=env, check=True, timeout=240)
+    _start_on_three(directory)
     assert sorted(rank_files(directory)) == [0, 1, 2]
     for mine, theirs in zip(_sync_state(directory, 3, 30), _sync_state(reference, 3, 30)):
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
