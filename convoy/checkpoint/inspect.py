@@ -4,6 +4,7 @@ Example::
 
     >>> print(describe_directory("ckpt"))
     ckpt: ext4 at / (no DAX: pwrite + fdatasync)
+    written by 2 workers, global batch 32
     model-rank0.ckpt  model, 5 layers, 2 x 0.49 MB = 1.0 MB
       area A: step 12 (epoch 0, batch 12), generation 12, valid
       area B: step 11 (epoch 0, batch 11), generation 11, valid
@@ -16,6 +17,7 @@ from convoy.checkpoint.format import FormatError
 from convoy.checkpoint.fsinfo import fs_info
 from convoy.checkpoint.difflog import log_path, read_chain
 from convoy.checkpoint.recovery import restore_points, scan, valid_steps
+from convoy.checkpoint.reshard import recorded_job
 from convoy.checkpoint.store import AREAS, Store
 from convoy.errors import UsageError
 
@@ -33,6 +35,10 @@ def describe_directory(directory: str | Path) -> str:
     if not files:
         raise UsageError(f"{directory} holds no convoy checkpoint files")
     lines = [f"{directory}: {fs_info(directory).describe()}"]
+    job = recorded_job(directory)
+    if job is not None:
+        batch = f", global batch {job.global_batch}" if job.global_batch else ""
+        lines.append(f"written by {job.world} worker{'s' if job.world != 1 else ''}{batch}")
     for path in files:
         lines += _describe_file(path)
     return "\n".join(lines)

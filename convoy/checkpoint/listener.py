@@ -201,7 +201,7 @@ class CheckpointListener(Listener):
                  full_names: dict[str, str] | None = None, budget: float = DEFAULT_BUDGET,
                  full_every: int | str = 0, copy_on_write: bool = True, other_writers: list[int] = (),
                  replay: bool = False, quiet_until: int = 0, remote_writers: list[int] = (),
-                 peer_store: Any = None):
+                 peer_store: Any = None, job: dict[str, int] | None = None):
         if every != "auto" and (not isinstance(every, int) or every < 1):
             raise ValueError(f"every must be an integer >= 1 or 'auto', got {every!r}")
         if not 0.0 < budget < 1.0:
@@ -226,6 +226,8 @@ class CheckpointListener(Listener):
         self._publish(self._last_model_step)
         self._timeout = peer_timeout_s
         self._full_names = full_names
+        # What the records say of the job (its world size, global batch): a resume on another world reads it.
+        self._job = dict(job or {})
         self._auto_full = _AutoFullInterval(budget) if full_every == "auto" else None
         self.full_every = FULL_EVERY_BOUNDS[0] if full_every == "auto" else full_every
         self.copy_on_write = copy_on_write
@@ -425,7 +427,7 @@ class CheckpointListener(Listener):
             return   # a differential checkpoint with replay: the writer's log record is all of it
         group = self.engine.optimizers[0].param_groups[0]
         extra = {"forward_order": [layer.name for layer in self.engine.layers],
-                 "hyper": {k: v for k, v in group.items() if k != "params" and _jsonable(v)}}
+                 "hyper": {k: v for k, v in group.items() if k != "params" and _jsonable(v)}, **self._job}
         if self._full_names is not None:
             extra["full_names"] = self._full_names
         self._queue_end(step, True, state, extra, full, image, updates)
@@ -636,7 +638,7 @@ class CheckpointListener(Listener):
                                                      generation)
         self.rank_store.flush(area)
         self.rank_store.commit(area, CommitRecord(generation, done, epoch, position, [checksum],
-                                                  {"rank": self.rank}))
+                                                  {"rank": self.rank, **self._job}))
         self.stats["bytes_written"] += layout.slots[0].nbytes
         self.stats["state_cpu_s"] += time.thread_time() - cpu
         self._rank_gen, self._last_rank_step = generation, done

@@ -53,6 +53,9 @@ class CheckpointSettings:
     timeout_s: float = 300.0
     budget: float = DEFAULT_BUDGET
     full_every: int | str = DEFAULT_FULL_EVERY
+    # What the commit records say of the job ({"world": workers, "global_batch": samples a step}):
+    # a resume on another number of workers keeps the global batch (convoy.checkpoint.reshard).
+    job: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -230,7 +233,7 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
                                   peer_timeout_s=settings.timeout_s, budget=settings.budget,
                                   full_every=settings.full_every if differential_ok(engine.sync) else 0,
                                   copy_on_write=type(engine.sync) is AllReduce, replay=replay,
-                                  quiet_until=start.reached)
+                                  quiet_until=start.reached, job=settings.job)
     engine.listeners.append(listener)
     return CheckpointSession(listener, start)
 

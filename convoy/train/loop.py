@@ -28,6 +28,7 @@ from convoy.sync import AllReduce, SyncStrategy, ring_allreduce_bytes
 from convoy.train.config import TrainConfig, save_config
 from convoy.train.hierarchical import build_hierarchy
 from convoy.train.ps import build_hybrid_ps_layout, build_ps_layout
+from convoy.train.elastic import adapt_to_checkpoint, finish_resharding
 from convoy.train.divergence import DivergenceGuard, StopAgreement, divergence_hint
 from convoy.train.metrics import MetricsWriter
 from convoy.train.optim import build_compression, lr_lambda, optimizer_spec, whole_step_group
@@ -73,6 +74,8 @@ def run(config: TrainConfig, stop: StopRequest | None = None) -> RunSummary:
     if config.checkpoint.init_from is not None:
         load_initial_state(model, config.checkpoint.init_from)
     broadcast_parameters(model)
+    # A checkpoint of another number of workers: its global batch is kept, its rank files re-dealt.
+    config = adapt_to_checkpoint(config, model, ctx)
     shape = JobShape.from_config(config, ctx.world_size)
     # A step's samples per worker: --grad-accum micro-batches of --batch-size.
     step_batch = config.data.batch_size * config.optim.grad_accum
@@ -101,6 +104,7 @@ def run(config: TrainConfig, stop: StopRequest | None = None) -> RunSummary:
         _commit_and_stop(summary, session)
     if session is not None:
         session.listener.close()   # the last checkpoint is committed before the job ends
+        finish_resharding(config, ctx.rank)
     if config.sync.trace:
         layout.save_trace(run_dir)
     state = layout.full_state_dict()   # a collective: every rank's trace file is written after it
@@ -140,8 +144,10 @@ def start_checkpoints(config: TrainConfig, layout: ParallelLayout, total_steps: 
     elif layout.engine.sync.checkpoint_period(1) != 1:
         raise UsageError("--checkpoint-every auto cannot be used with --sync hierarchical: its checkpoints fall "
                          f"on exchange steps; give a multiple of --exchange-every ({config.sync.exchange_every})")
+    job = {"world": dist.get_world_size() if dist.is_initialized() else 1,
+           "global_batch": config.data.batch_size * config.optim.grad_accum * layout.data_world_size}
     settings = CheckpointSettings(config.checkpoint.dir, every, config.checkpoint.resume, config.run.timeout,
-                                  config.checkpoint.budget, config.checkpoint.full_every)
+                                  config.checkpoint.budget, config.checkpoint.full_every, job)
     module, group_ranks, full_names = layout.checkpoint_scope()
     return start_checkpointing(settings, module, layout.checkpoint_engine(), optimizer_class, hyper, total_steps,
                                steps_per_epoch, group_ranks, full_names)

@@ -1,0 +1,221 @@
+"""Resuming a checkpoint on another number of workers: the re-deal's exactness, the trajectory, refusals, crashes."""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from convoy.checkpoint.recovery import rank_file_tensors, scan
+from convoy.checkpoint.reshard import STAGING, complete, deal_mean, deal_states, rank_files, recorded_job, reshard
+from convoy.checkpoint.store import Store
+from convoy.errors import UsageError
+from tests.helpers import convoy_in_process, one_line_error, saved_model
+
+# A constant learning rate: a cosine schedule over a shorter first run would differ from the whole run's.
+LENET = ("--model", "lenet", "--batch-size", "12", "--seed", "6", "--no-progress", "--eval-every", "0",
+         "--lr-schedule", "constant")
+SPARSE = (*LENET, "--compress", "blocktopk", "--block-fraction", "0.05", "--checkpoint-full-every", "1")
+
+
+def _train(nproc: int, steps: int, out: Path, checkpoints: Path | None, *job: str):
+    extra = ("--checkpoint-dir", str(checkpoints)) if checkpoints is not None else ()
+    done = convoy_in_process("train", "--nproc", str(nproc), *job, "--steps", str(steps), *extra, "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def _sync_state(directory: Path, world: int, step: int) -> list[dict[str, torch.Tensor]]:
+    return [rank_file_tensors(directory / f"state-rank{r}.ckpt", "sync", step) for r in range(world)]
+
+
+def _assert_mean_kept(old: list[torch.Tensor], new: list[torch.Tensor]) -> None:
+    """sum(new) / M == sum(old) / N exactly: N * sum(new) - M * sum(old) == 0 element by element, summed
+    without rounding (math.fsum of float64 values that are exact multiples of float32 ones)."""
+    n, m = len(old), len(new)
+    columns = [(n * t.double()).tolist() for t in new] + [(-m * t.double()).tolist() for t in old]
+    wrong = [i for i, values in enumerate(zip(*columns)) if math.fsum(values) != 0.0]
+    assert not wrong, f"{len(wrong)} elements lost or gained, the first at {wrong[0]}"
+
+
+def _additive(state: dict[str, torch.Tensor]) -> list[str]:
+    return [k for k in state if k.split(".", 1)[0] in ("residual", "velocity")]
+
+
+# ------------------------------------------------------------------ the deal itself
+@pytest.mark.parametrize("old, new", [(4, 3), (4, 2), (2, 4), (4, 6), (4, 5), (8, 3)])
+def test_the_deal_keeps_the_mean_over_workers_bit_for_bit(old, new):
+    generator = torch.Generator().manual_seed(old * 10 + new)
+    # Residual-like values: mostly within a few binary orders of each other, some exact zeros (sent blocks).
+    parts = [torch.randn(5000, generator=generator) * 10 ** torch.randint(-3, 1, (5000,), generator=generator)
+             for _ in range(old)]
+    parts[0][:500] = 0.0
+    dealt, inexact = deal_mean(parts, new)
+    assert inexact == 0 and len(dealt) == new and all(t.dtype == torch.float32 for t in dealt)
+    _assert_mean_kept(parts, dealt)
+
+
+def test_one_worker_gets_the_mean_rounded_once_and_the_rounded_elements_are_counted():
+    parts = [torch.randn(1000, generator=torch.Generator().manual_seed(r)) for r in range(4)]
+    (dealt,), inexact = deal_mean(parts, 1)
+    exact = sum(p.double() for p in parts) / 4   # exact: four float32 values of similar size, then / 4
+    assert torch.equal(dealt, exact.float()) and inexact == int((dealt.double() != exact).sum()) > 0
+
+
+def test_values_too_far_apart_to_deal_exactly_are_counted_not_hidden():
+    # 1, 2^-30 and 2^-60 on different ranks: their mean needs more bits than two float32 values
+    # (or one float64) hold.
+    parts = [torch.tensor([1.0, 3.0]), torch.tensor([2.0 ** -30, 5.0]), torch.tensor([2.0 ** -60, 1.0]),
+             torch.tensor([0.0, 0.0])]
+    dealt, inexact = deal_mean(parts, 2)
+    assert inexact == 1
+    assert sum(t[1].item() for t in dealt) / 2 == (3.0 + 5.0 + 1.0) / 4   # the other element is exact
+
+
+def test_shared_and_per_rank_state_are_dealt_and_unknown_state_is_refused():
+    q = torch.randn(6, 2)
+    states = [{"sync.residual.0": torch.full((3,), float(r)), "sync.powersgd_q.0.0": q.clone(),
+               "rng.torch": torch.full((4,), r, dtype=torch.uint8)} for r in range(3)]
+    dealt, _ = deal_states(states, 4)
+    assert all(torch.equal(s["sync.powersgd_q.0.0"], q) for s in dealt)
+    assert [int(s["rng.torch"][0]) for s in dealt] == [0, 1, 2, 0]
+    assert list(dealt[0]) == list(states[0])   # the rank file's layout, key for key
+    with pytest.raises(UsageError, match="cannot re-deal"):
+        deal_states([{"sync.mystery.0": torch.zeros(2)}] * 2, 3)
+
+
+# ------------------------------------------------------------------ through convoy train
+@pytest.fixture(scope="module")
+def sparse_checkpoint(tmp_path_factory):
+    """A 4-worker blocktopk job (momentum correction: residuals and velocities) checkpointed at step 30."""
+    tmp = tmp_path_factory.mktemp("sparse")
+    _train(4, 30, tmp / "run", tmp / "ckpt", *SPARSE)
+    return tmp / "ckpt", _sync_state(tmp / "ckpt", 4, 30)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [3, 2])
+def test_a_blocktopk_job_continued_on_fewer_workers_keeps_its_residuals_and_velocities(sparse_checkpoint, tmp_path,
+                                                                                        world):
+    checkpoint, before = sparse_checkpoint
+    directory = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, directory)
+    done = _train(world, 31, tmp_path / "run", directory, *SPARSE)
+    assert f"written by 4 workers; resuming on {world}: global batch 48 kept ({48 // world} per worker)" \
+        in done.stderr
+    assert "resumed from" in done.stderr and "at step 30" in done.stderr
+    # The directory describes one job: this world's rank files, the old ones and the staging gone.
+    assert sorted(rank_files(directory)) == list(range(world)) and not (directory / STAGING).exists()
+    after = _sync_state(directory, world, 30)   # the re-dealt area, beside the one of step 31
+    keys = _additive(before[0])
+    assert {k.split(".")[0] for k in keys} == {"residual", "velocity"}
+    for key in keys:
+        _assert_mean_kept([s[key] for s in before], [s[key] for s in after])
+    shown = convoy_in_process("checkpoint", "inspect", str(directory))
+    assert shown.returncode == 0 and f"written by {world} workers, global batch 48" in shown.stdout
+    exported = convoy_in_process("checkpoint", "export", str(directory), str(tmp_path / "model.pt"))
+    assert exported.returncode == 0 and torch.load(tmp_path / "model.pt")["step"] == 31
+    # A third resume, on yet another world, works from what the second one left.
+    done = _train(4, 32, tmp_path / "run3", directory, *SPARSE)
+    assert f"written by {world} workers; resuming on 4" in done.stderr and "at step 31" in done.stderr
+
+
+@pytest.mark.timeout(600)
+def test_powersgd_state_is_dealt_its_shared_q_copied(tmp_path):
+    job = (*LENET, "--compress", "powersgd")
+    _train(4, 5, tmp_path / "a", tmp_path / "ckpt", *job)
+    before = _sync_state(tmp_path / "ckpt", 4, 5)
+    _train(3, 6, tmp_path / "b", tmp_path / "ckpt", *job)
+    after = _sync_state(tmp_path / "ckpt", 3, 5)
+    shared = [k for k in before[0] if k.startswith("powersgd_q.")]
+    assert shared and _additive(before[0])
+    for key in shared:   # every rank kept the same all-reduced Q, and every new rank gets it
+        assert all(torch.equal(s[key], before[0][key]) for s in before + after), key
+    for key in _additive(before[0]):
+        _assert_mean_kept([s[key] for s in before], [s[key] for s in after])
+
+
+@pytest.mark.timeout(600)
+def test_a_dense_job_continued_on_two_workers_ends_where_the_uninterrupted_four_worker_run_does(tmp_path):
+    _train(4, 10, tmp_path / "whole", None, *LENET)
+    _train(4, 5, tmp_path / "a", tmp_path / "ckpt", *LENET)
+    done = _train(2, 10, tmp_path / "b", tmp_path / "ckpt", *LENET)
+    assert "global batch 48 kept (24 per worker)" in done.stderr
+    whole, resumed = saved_model(tmp_path / "whole"), saved_model(tmp_path / "b")
+    worst = max((whole[k] - resumed[k]).abs().max().item() for k in whole)
+    assert worst < 1e-5
+
+
+# ------------------------------------------------------------------ bad input, crashes
+def _fingerprint(directory: Path) -> dict[str, tuple[int, str]]:
+    return {str(p.relative_to(directory)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("nproc, extra, expected", [
+    (5, (), "global batch of 48 does not divide over 5 workers"),
+    (2, ("--sync", "hierarchical", "--clusters", "1"), "only --sync allreduce with --parallel data resumes"),
+    (2, ("--model", "vgg_fc"), "holds a checkpoint of a different model"),
+])
+def test_a_resume_that_cannot_be_mapped_is_refused_in_one_line_and_changes_nothing(sparse_checkpoint, tmp_path,
+                                                                                   nproc, extra, expected):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(sparse_checkpoint[0], directory)
+    before = _fingerprint(directory)
+    line = one_line_error(convoy_in_process("train", "--nproc", str(nproc), *SPARSE, *extra, "--steps", "31",
+                                            "--checkpoint-dir", str(directory), "--out", str(tmp_path / "run")))
+    assert expected in line
+    assert _fingerprint(directory) == before
+
+
+def _start_on_three(directory: Path) -> None:
+    """What a start on 3 workers does to the directory (convoy.train.elastic): finish a committed
+    re-deal, else re-deal."""
+    complete(directory)
+    job = recorded_job(directory)
+    if job.world != 3:
+        reshard(directory, job.world, 3)
+
+
+_START_ON_THREE = ("import sys; from pathlib import Path; from tests.checkpoint.test_reshard import _start_on_three; "
+                   "_start_on_three(Path(sys.argv[1]))")
+
+
+def _killed_start_on_three(directory: Path, kill: str) -> int:
+    """:func:`_start_on_three` in a fresh interpreter that the kill point ``kill`` SIGKILLs (a fork of
+    this process could inherit a lock some thread of torch's holds); its return code."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+           "CONVOY_CHECKPOINT_KILL": kill}
+    return subprocess.run([sys.executable, "-c", _START_ON_THREE, str(directory)], env=env, cwd=root,
+                          timeout=240).returncode
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kill", ["record:{generation}", "reshard:0", "reshard:1"])
+def test_a_kill_during_the_re_deal_leaves_a_directory_that_resumes_to_the_same_state(sparse_checkpoint, tmp_path,
+                                                                                      kill):
+    checkpoint, before = sparse_checkpoint
+    reference, directory = tmp_path / "reference", tmp_path / "ckpt"
+    shutil.copytree(checkpoint, reference)
+    shutil.copytree(checkpoint, directory)
+    _start_on_three(reference)
+    store = Store.open(checkpoint / "state-rank0.ckpt")
+    try:   # the re-dealt files are committed with the generation rank 0's file has at step 30
+        generation = max(r.record.generation for r in scan(store) if r.valid)
+    finally:
+        store.close()
+    assert _killed_start_on_three(directory, kill.format(generation=generation)) == -signal.SIGKILL
+    # Whatever the kill left, the next start finishes or redoes the re-deal: the same state as without it.
+    _start_on_three(directory)
+    assert sorted(rank_files(directory)) == [0, 1, 2]
+    for mine, theirs in zip(_sync_state(directory, 3, 30), _sync_state(reference, 3, 30)):
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
