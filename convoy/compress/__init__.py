@@ -7,6 +7,7 @@ from convoy.compress.blocks import METRICS, BlockLayout
 from convoy.compress.fp16 import FP16Compressor
 from convoy.compress.identity import IdentityCompressor
 from convoy.compress.momentum import MomentumCorrection
+from convoy.compress.powersgd import DEFAULT_RANK as DEFAULT_POWERSGD_RANK
 from convoy.compress.powersgd import PowerSGDCompressor
 from convoy.compress.randomk import RandomKCompressor
 from convoy.compress.rle import CodecError
@@ -22,7 +23,7 @@ MOMENTUM_CORRECTED_NAMES = (*SPARSE_NAMES, "powersgd")
 
 def build_compressor(name: str, *, blocks_per_layer: int | None = None, block_fraction: float | None = None,
                      block_metric: str = "l1", block_selection: str = "local", block_size: int | None = None,
-                     element_fraction: float = 0.01, powersgd_rank: int = 2,
+                     element_fraction: float = 0.01, powersgd_rank: int = DEFAULT_POWERSGD_RANK,
                      dense_below: int = 0) -> tuple[Compressor, Memory]:
     """Return the compressor called ``name`` and the error-feedback memory it uses.
 
@@ -53,7 +54,7 @@ def build_compressor(name: str, *, blocks_per_layer: int | None = None, block_fr
     raise UsageError(f"unknown compressor {name!r}; choose one of: {', '.join(COMPRESS_NAMES)}")
 
 
-__all__ = ["COMPRESS_NAMES", "METRICS", "MOMENTUM_CORRECTED_NAMES", "SELECTIONS", "SPARSE_NAMES", "BlockLayout",
+__all__ = ["COMPRESS_NAMES", "DEFAULT_POWERSGD_RANK", "METRICS", "MOMENTUM_CORRECTED_NAMES", "SELECTIONS", "SPARSE_NAMES", "BlockLayout",
            "BlockTopKCompressor", "CodecError", "Compressor", "FP16Compressor", "IdentityCompressor", "LayerInfo",
            "Memory", "MomentumCorrection", "NoMemory", "PowerSGDCompressor",
            "RandomKCompressor", "ResidualMemory", "Support", "TopKCompressor", "build_compressor"]

@@ -38,6 +38,10 @@ import torch
 
 from convoy.compress.base import Compressor, LayerInfo, Payload
 
+# Columns of the factors unless told otherwise (``convoy train --powersgd-rank``, the DDP hook):
+# rank 2 ended further below dense on vgg_fc than 4 (docs/compression.md).
+DEFAULT_RANK = 4
+
 
 @dataclass(frozen=True)
 class _Segment:
@@ -118,7 +122,7 @@ class PowerSGDCompressor(Compressor):
     summable = True
     keeps_sum = True
 
-    def __init__(self, rank: int = 2, min_compression: float = 2.0, seed: int = 0):
+    def __init__(self, rank: int = DEFAULT_RANK, min_compression: float = 2.0, seed: int = 0):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
         if not min_compression >= 1.0:
@@ -241,6 +245,10 @@ class PowerSGDCompressor(Compressor):
         return q
 
     # ----------------------------------------------------------- checkpoints
+    def forget(self, name: str) -> None:
+        for key in [key for key in self.warm if key.rsplit(".", 1)[0] == name]:
+            del self.warm[key]
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {f"powersgd_q.{key}": q for key, q in self.warm.items()}
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from convoy.compress.powersgd import DEFAULT_RANK as DEFAULT_POWERSGD_RANK
 from convoy.errors import UsageError
 from convoy.utils.suggest import did_you_mean
 from convoy.utils.toml import read_toml
@@ -305,10 +306,10 @@ class CompressConfig:
     dense_below: int = _opt(16384, "blocktopk: parameters of fewer than N elements (biases, small layers, a "
                             "classifier head) are sent whole every step; 0: every parameter is cut")
     # PowerSGD inside the engine
-    powersgd_rank: int = _opt(4, "powersgd: R, columns of each layer's factors P and Q (an integer >= 1); a "
-                              "layer whose matrix has a side of R or fewer, or that factors would not shrink "
-                              "2x, is sent dense (4 chosen by measurement: rank 2 ended further below dense "
-                              "on vgg_fc, docs/compression.md)", count=True)
+    powersgd_rank: int = _opt(DEFAULT_POWERSGD_RANK, "powersgd: R, columns of each layer's factors P and Q (an "
+                              "integer >= 1); a layer whose matrix has a side of R or fewer, or that factors would "
+                              "not shrink 2x, is sent dense (4 chosen by measurement: rank 2 ended further below "
+                              "dense on vgg_fc, docs/compression.md)", count=True)
     momentum_masking: bool = _opt(False, "with momentum correction and a sparse compressor: zero the velocity "
                                   "where a value that had waited is sent (DGC's momentum factor masking; off by "
                                   "default: it slowed vgg_fc's start, docs/compression.md)")
