@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--end", choices=("exit", "destroy"), default="exit",
                         help="how a rank ends: exit with the process group alive, or destroy it first")
+    parser.add_argument("--verbose", action="store_true", help="a line per run on stderr")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds a run may take before it is a hang")
     args = parser.parse_args(argv)
     options = dict(_parse_option(o) for o in args.options)
@@ -144,10 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         counts: dict[str, int] = {"ok": 0, "hang": 0, "abort": 0, "failed": 0}
         start = time.monotonic()
         for run in range(args.runs):
+            began = time.monotonic()
             outcome, err = run_once(hook, args.options, args.steps, args.end, args.timeout)
             counts[outcome] += 1
-            if outcome != "ok":
-                print(f"  {hook} run {run}: {outcome}\n{err}", file=sys.stderr, flush=True)
+            if args.verbose or outcome != "ok":
+                print(f"  {hook} run {run}: {outcome} ({time.monotonic() - began:.0f} s)" + (f"\n{err}" if err else ""),
+                      file=sys.stderr, flush=True)
         bad += args.runs - counts["ok"]
         print(f"{hook} {' '.join(args.options)}: {args.runs} runs, " + ", ".join(f"{k} {v}" for k, v in counts.items())
               + f" ({time.monotonic() - start:.0f} s)", flush=True)
