@@ -35,11 +35,12 @@ def stress_net():
                          nn.Linear(32 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
-def train_job(hook: str | None, options: dict, steps: int, seed: int = 0):
+def train_job(hook: str | None, options: dict, steps: int, seed: int = 0, keep: list | None = None):
     """One DDP job in this (already joined) process: ``steps`` steps of the conv net with ``hook``.
 
     Returns the flat parameters at the end. DDP's default buckets; the process group is the
-    default one. The data is random and the same for a given seed on every run.
+    default one. The data is random and the same for a given seed on every run. ``keep``, if
+    given, receives the DDP model (alive as long as the list is).
     """
     import torch
     import torch.distributed as dist
@@ -60,7 +61,13 @@ def train_job(hook: str | None, options: dict, steps: int, seed: int = 0):
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
+    if keep is not None:
+        keep.append(model)
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# The DDP model of a run that ends with it alive (--end model): dropped only as the interpreter exits.
+_KEPT: list = []
 
 
 def _worker(hook: str | None, options: dict, steps: int, end: str) -> None:
@@ -70,10 +77,11 @@ def _worker(hook: str | None, options: dict, steps: int, end: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    train_job(hook, options, steps)
+    train_job(hook, options, steps, keep=_KEPT if end == "model" else None)
     if end == "destroy":
         dist.destroy_process_group()
-    # end == "exit": the process group is still alive when the interpreter exits.
+    # end == "exit": the process group is still alive when the interpreter exits;
+    # end == "model": the DDP model (its reducer, the hook's state) too.
 
 
 def _parse_option(text: str) -> tuple[str, object]:
@@ -131,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--options", nargs="*", default=[], help="every hook's options, key=value")
     parser.add_argument("--runs", type=int, default=50, help="jobs per hook")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--end", choices=("exit", "destroy"), default="exit",
-                        help="how a rank ends: exit with the process group alive, or destroy it first")
+    parser.add_argument("--end", choices=("exit", "model", "destroy"), default="exit",
+                        help="how a rank ends: exit with the process group alive, also with the DDP model "
+                             "alive, or destroy the group first")
     parser.add_argument("--verbose", action="store_true", help="a line per run on stderr")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds a run may take before it is a hang")
     args = parser.parse_args(argv)
