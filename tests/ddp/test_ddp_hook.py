@@ -169,11 +169,11 @@ def test_many_ddp_jobs_per_hook_with_default_buckets_end_alike_on_both_ranks():
 def _stress_launches(runs: int) -> None:
     for name, options in STRESSED:
         for _ in range(runs):
-            outcome, err = run_once(name, [f"{k}={v}" for k, v in options.items()], 20, "exit", timeout=90)
+            outcome, err = run_once(name, [f"{k}={v}" for k, v in options.items()], 20, "exit", timeout=120)
             assert outcome == "ok", f"{name} {options}: {outcome}\n{err}"
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(700)   # 5 launches of at most 120 s each
 def test_real_two_process_ddp_jobs_end_cleanly_with_every_hook():
     # Fresh interpreters that exit with the process group alive, as a user's script does.
     _stress_launches(1)
