@@ -104,9 +104,9 @@ def test_the_hook_runs_no_python_on_the_backends_threads(compressor_type):
 class _Bucket:
     """What the hook reads of DDP's GradBucket (which Python cannot build): a stand-in input."""
 
-    def __init__(self, index: int, count: int, buffer: torch.Tensor, shapes: list[tuple[int, ...]]):
-        self._index, self._count, self._buffer = index, count, buffer
-        self._params = [torch.empty(shape) for shape in shapes]
+    def __init__(self, index: int, count: int, buffer: torch.Tensor, params: list[torch.Tensor]):
+        # DDP hands over the model's own parameter objects, the same ones every step.
+        self._index, self._count, self._buffer, self._params = index, count, buffer, params
 
     def index(self) -> int:
         return self._index
@@ -128,12 +128,13 @@ def _buckets_in_rank_order(rank: int, world: int, name: str) -> list[torch.Tenso
     # Ranks hand the buckets over in different orders, each bucket's gradient differs per rank.
     order = [0, 1, 2, 3] if rank == 0 else [3, 1, 0, 2]
     state, hook = convoy.ddp.comm_hook(name)
+    params = [[torch.empty(shape) for shape in shapes] for shapes in _SHAPES]
     averages = []
     for step in range(3):
         grads = [torch.randn(sum(torch.Size(s).numel() for s in shapes),
                              generator=torch.Generator().manual_seed(100 * step + 10 * i + rank))
                  for i, shapes in enumerate(_SHAPES)]
-        futures = {i: hook(state, _Bucket(i, len(_SHAPES), grads[i], _SHAPES[i])) for i in order}
+        futures = {i: hook(state, _Bucket(i, len(_SHAPES), grads[i], params[i])) for i in order}
         assert all(future.done() for future in futures.values())   # the last bucket finished the step
         averages += [futures[i].value() for i in range(len(_SHAPES))]
     return averages
@@ -249,9 +250,10 @@ def _powersgd_without_its_state(rank: int, world: int) -> tuple[torch.Tensor, to
     state, hook = convoy.ddp.comm_hook("powersgd", rank=2)
     fresh, _ = convoy.ddp.comm_hook("powersgd", rank=2)
     grads = [torch.randn(64 * 32, generator=torch.Generator().manual_seed(step * 2 + rank)) for step in range(2)]
-    hook(state, _Bucket(0, 1, grads[0], [(64, 32)])).wait()
+    params = [torch.empty(64, 32)]
+    hook(state, _Bucket(0, 1, grads[0], params)).wait()
     fresh.load_state_dict(state.state_dict())
-    return hook(state, _Bucket(0, 1, grads[1], [(64, 32)])).wait(), hook(fresh, _Bucket(0, 1, grads[1], [(64, 32)])).wait()
+    return hook(state, _Bucket(0, 1, grads[1], params)).wait(), hook(fresh, _Bucket(0, 1, grads[1], params)).wait()
 
 
 @pytest.mark.timeout(60)
