@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -17,11 +19,23 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def machine() -> dict[str, Any]:
+    """Where, when and how a result was measured: the command is recorded as it ran, so the
+    pages that show the result print it from here (it cannot drift from what ran)."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
     return {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
             "python": platform.python_version(), "commit": commit,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command_line()}
+
+
+def command_line() -> str:
+    """This process's command as a user types it from the repository root: ``python bench/x.py ARGS``."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(Path(__file__).resolve().parent.parent)
+    except ValueError:
+        pass
+    return shlex.join(["python", str(script), *sys.argv[1:]])
 
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:

@@ -27,6 +27,17 @@ PEER = str(Path(__file__).resolve().parent / "peers" / "ddp_train.py")
 TWO_RACKS = str(Path(__file__).resolve().parent / "two_racks.toml")
 # Stands for --shard-weights links: and the cluster's link rates (shares fitted to the links).
 LINK_SHARES = "<link shares>"
+# Stands for a tenth of --steps: torch's PowerSGD docs advise dense steps for the first 10% of training.
+TENTH_OF_STEPS = "<10% of steps>"
+# The peers a DDP user would tune among: torch's PowerSGD hook over a sweep of ranks, with and without
+# the advised dense warm-up, and DDP's fp16 hook. Each run compares every row against the best of these.
+TUNED_PEERS: dict[str, list[str]] = {
+    **{f"ddp-powersgd-r{rank}": [PEER, "--powersgd-rank", str(rank)] for rank in (1, 2, 4, 8)},
+    "ddp-powersgd-r4-warm10": [PEER, "--powersgd-rank", "4", "--powersgd-start", TENTH_OF_STEPS],
+    "ddp-fp16": [PEER, "--fp16-hook"],
+}
+# The same ranks with no exchange at all: the step every strategy's is read against.
+FLOOR = "no-exchange"
 
 # name -> how the ranks are started (after `convoy bench cluster ... --`).
 STRATEGIES: dict[str, list[str]] = {
@@ -34,7 +45,8 @@ STRATEGIES: dict[str, list[str]] = {
     "fp16": ["train", "--compress", "fp16"],
     "topk": ["train", "--compress", "topk"],
     "blocktopk": ["train", "--compress", "blocktopk", "--block-fraction", "0.01"],
-    "convoy-powersgd": ["train", "--compress", "powersgd", "--powersgd-rank", "2"],
+    "convoy-powersgd": ["train", "--compress", "powersgd", "--powersgd-rank", "2"],   # as earlier results ran it
+    "convoy-powersgd-r4": ["train", "--compress", "powersgd", "--powersgd-rank", "4"],
     "blocktopk-10%": ["train", "--compress", "blocktopk", "--block-fraction", "0.1"],
     "blocktopk-global": ["train", "--compress", "blocktopk", "--block-fraction", "0.01",
                          "--block-selection", "global"],
@@ -54,8 +66,12 @@ STRATEGIES: dict[str, list[str]] = {
     "ps-colocated-s2-by-link": ["train", "--sync", "ps", "--servers", "colocated", "--staleness", "2",
                                 "--shard-weights", LINK_SHARES],
     "ddp": [PEER],
-    "powersgd": [PEER, "--powersgd-rank", "2"],
+    "powersgd": [PEER, "--powersgd-rank", "2"],   # the untuned peer of earlier results
+    **TUNED_PEERS,
+    FLOOR: [PEER, "--no-exchange"],
 }
+# What a run without --strategies compares: the floor, the tuned peers and convoy's compressed strategies.
+DEFAULT_STRATEGIES = [FLOOR, *TUNED_PEERS, "dense", "convoy-powersgd-r4", "blocktopk", "fp16"]
 
 
 def run_strategy(name: str, args: argparse.Namespace, out: Path) -> dict:
@@ -66,7 +82,8 @@ def run_strategy(name: str, args: argparse.Namespace, out: Path) -> dict:
     own = ["--no-progress"] if STRATEGIES[name][0] == "train" else []
     if own and args.warmup_steps is not None:
         own += ["--warmup-steps", str(args.warmup_steps)]
-    command = [link_shares(args) if word == LINK_SHARES else word for word in STRATEGIES[name]] + common + own
+    placeholders = {LINK_SHARES: lambda: link_shares(args), TENTH_OF_STEPS: lambda: str(max(2, args.steps // 10))}
+    command = [placeholders[word]() if word in placeholders else word for word in STRATEGIES[name]] + common + own
     result = subprocess.run(launcher(command, args.hosts, args.rate, args.cluster), capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{result.stderr[-3000:]}")
@@ -79,6 +96,29 @@ def run_strategy(name: str, args: argparse.Namespace, out: Path) -> dict:
             # compressor's default ramp is counted (its bytes are part of the run).
             **step_figures(out, skip=1 + (args.warmup_steps or 0 if own else 0)),
             "curve": [(e["time"], e["test_accuracy"]) for e in evals]}
+
+
+def compare(rows: list[dict], also: str, also_suffix: str) -> None:
+    """Add each row's ratios: to dense, to the best tuned peer (named in ``best_peer``) and to the floor.
+
+    The best peer is the one that reaches the target soonest (at the other target, its own best);
+    a ratio is the peer's time over the row's, so above 1 means the row is sooner.
+    """
+    by = {row["strategy"]: row for row in rows}
+    floor = by.get(FLOOR, {}).get("step_s")
+    peers = [row for row in rows if row["strategy"] in TUNED_PEERS]
+    for key, suffix in (("time_to_target_s", ""), (also, also_suffix)):
+        reached = [row for row in peers if row.get(key)]
+        best = min(reached, key=lambda row: row[key]) if reached else None
+        for row in rows:
+            t = row.get(key)
+            row[f"speedup_vs_best_peer{suffix}"] = best[key] / t if best and t else None
+            row[f"best_peer{suffix}"] = best["strategy"] if best else None
+    dense = by.get("dense", {}).get("time_to_target_s")
+    for row in rows:
+        t = row.get("time_to_target_s")
+        row["speedup_vs_dense"] = dense / t if dense and t else None
+        row["step_vs_floor"] = row["step_s"] / floor if floor and row.get("step_s") else None
 
 
 def step_figures(out: Path, skip: int = 1) -> dict:
@@ -172,7 +212,8 @@ def main() -> None:
     parser.add_argument("--cluster", help="a cluster file for convoy bench cluster --cluster (it replaces --hosts "
                         "and --rate), e.g. bench/straggler.toml: one host at a quarter of the others' speed")
     parser.add_argument("--tag", help="suffix of the result files' names, to keep several runs apart")
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    parser.add_argument("--strategies", nargs="+", default=DEFAULT_STRATEGIES, choices=list(STRATEGIES),
+                        help=f"default: {' '.join(DEFAULT_STRATEGIES)}")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -184,18 +225,32 @@ def main() -> None:
                 rows.append({"strategy": name, "error": str(exc).splitlines()[-1], "curve": [],
                              "time_to_target_s": None})
             print({k: v for k, v in rows[-1].items() if k != "curve"}, flush=True)
-    dense = next((r["time_to_target_s"] for r in rows if r["strategy"] == "dense"), None)
     also = f"time_to_{args.also_target:g}_s"
     for row in rows:
-        t = row["time_to_target_s"]
-        row["speedup_vs_dense"] = dense / t if dense and t else None
         row[also] = next((time for time, accuracy in row["curve"] if accuracy >= args.also_target), None)
+    compare(rows, also, f"_{args.also_target:g}")
     # A cluster file names its hosts' links (they may differ), so it names the results.
     links = Path(args.cluster).stem if args.cluster else args.rate
     name = f"time_to_accuracy_{args.model}_{links}" + (f"_{args.tag}" if args.tag else "")
-    save(name, vars(args), rows, ["strategy", "time_to_target_s", "steps_to_target", "speedup_vs_dense", also,
-                                  "final_accuracy", "step_s", "MB_sent/step", "error"])
+    save(name, vars(args), rows, ["strategy", "time_to_target_s", "steps_to_target", "speedup_vs_dense",
+                                  "speedup_vs_best_peer", also, f"speedup_vs_best_peer_{args.also_target:g}",
+                                  "final_accuracy", "step_s", "step_vs_floor", "MB_sent/step", "error"])
     plot_curves([r for r in rows if r["curve"]], RESULTS / f"{name}.png", args.target)
+    print(verdict(rows, args.target, args.also_target))
+
+
+def verdict(rows: list[dict], target: float, also_target: float) -> str:
+    """One line per target: convoy's soonest strategy against the best tuned peer of the run."""
+    lines = []
+    for key, suffix, level in (("time_to_target_s", "", target), (f"time_to_{also_target:g}_s",
+                                                                 f"_{also_target:g}", also_target)):
+        own = [r for r in rows if r.get(key) and STRATEGIES[r["strategy"]][0] == "train"]
+        best = min(own, key=lambda r: r[key]) if own else None
+        peer = rows[0].get(f"best_peer{suffix}") if rows else None
+        lines.append(f"{level:.0%}: convoy's soonest {best['strategy'] if best else 'none'}"
+                     f"{f' at {best[key]:.1f} s' if best else ''}; best tuned peer {peer or 'none reached it'}"
+                     + (f"; {best[f'speedup_vs_best_peer{suffix}']:.2f}x sooner" if best and peer else ""))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,12 @@ class TrainingDiverged(RuntimeError):
         super().__init__(f"{what} at step {step}" + (f"; {hint}" if hint else ""))
 
 
+class StartupFailed(RuntimeError):
+    """The job's processes did not find one another within the timeout: a setting (an address,
+    an interface), not a bug in convoy. The command line prints the message, which names what
+    to set, on one line without a traceback, and exits with status 1."""
+
+
 class JobStopped(RuntimeError):
     """A stop signal ended the job after ``step`` steps, on every rank at the same step.
 

@@ -1,9 +1,13 @@
-"""The peer a user would pick: torch DistributedDataParallel, optionally with torch's PowerSGD hook.
+"""The peer a user would pick: torch DistributedDataParallel, optionally with torch's PowerSGD or fp16 hook.
 
 Same data order, model, initialisation, optimizer and evaluation as `convoy train`,
 and the same metrics files, so a benchmark can put both side by side. Run it one
 process per rank (torchrun or `convoy bench cluster -- bench/peers/ddp_train.py ...`),
 or call ``train_ddp`` from a process that already joined a gloo group.
+
+``--no-exchange`` runs the same ranks with no exchange at all (each trains its
+own replica on its share of the batch): its step is the compute floor that
+every strategy's step is read against.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -54,8 +58,9 @@ def train_ddp(rank: int, world: int, *, steps: int, model: str = "lenet", datase
               lr_schedule: str = "cosine", eval_every: int = 0, seed: int = 0, powersgd_rank: int = 0,
               powersgd_start: int = 2, stop_at_accuracy: float | None = None, out: str | None = None,
               setup: Callable[[DistributedDataParallel, torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
-              ) -> dict:
-    """Train with DDP (+ PowerSGD when ``powersgd_rank`` > 0); return accuracy, wall time, bytes per step.
+              fp16_hook: bool = False, no_exchange: bool = False) -> dict:
+    """Train with DDP (+ PowerSGD when ``powersgd_rank`` > 0, + fp16 compression when ``fp16_hook``);
+    return accuracy, wall time, bytes per step. ``no_exchange``: no DDP, each rank trains alone.
 
     ``setup(net, optimizer)`` may register a comm hook and return a wrapping
     optimizer (torch's local SGD / model averaging: bench/peers/hier_sgd.py);
@@ -68,14 +73,17 @@ def train_ddp(rank: int, world: int, *, steps: int, model: str = "lenet", datase
     # come in different orders and gloo aborts ("Received data size doesn't
     # match expected size"). One bucket keeps its order fixed.
     buckets = {"bucket_cap_mb": 4096} if powersgd_rank else {}
-    net = DistributedDataParallel(build_model(model, in_channels=data.in_channels,
-                                              num_classes=data.num_classes, image_size=data.image_size),
-                                  **buckets)
+    local = build_model(model, in_channels=data.in_channels, num_classes=data.num_classes,
+                        image_size=data.image_size)
+    net = local if no_exchange else DistributedDataParallel(local, **buckets)
     if powersgd_rank:
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
-                                            start_powerSGD_iter=powersgd_start)
+                                            start_powerSGD_iter=max(powersgd_start, 2))
         net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    dense = ring_allreduce_bytes(sum(p.numel() * p.element_size() for p in net.parameters()), world)
+    elif fp16_hook:
+        net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    size = sum(p.numel() * p.element_size() for p in net.parameters())
+    dense = 0 if no_exchange else ring_allreduce_bytes(size // 2 if fp16_hook else size, world)
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     counted = bool(powersgd_rank or setup)   # else DDP's own (C++) all-reduce: the dense bytes
     if setup is not None:
@@ -105,7 +113,7 @@ def train_ddp(rank: int, world: int, *, steps: int, model: str = "lenet", datase
                                   bytes_received=sent)
                 last, step = now, step + 1
                 if (eval_every and step % eval_every == 0) or step == steps:
-                    accuracy, test_loss = score(net.module.eval(), data.test, torch.device("cpu"))
+                    accuracy, test_loss = score(local.eval(), data.test, torch.device("cpu"))
                     net.train()
                     if metrics:
                         metrics.write("eval", step=step, time=time.perf_counter() - start,
@@ -142,7 +150,11 @@ def arguments(description: str | None = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop-at-accuracy", type=float, default=None)
     p.add_argument("--powersgd-rank", type=int, default=0, help="PowerSGD matrix rank (0: plain DDP)")
-    p.add_argument("--powersgd-start", type=int, default=2, help="dense steps before PowerSGD starts")
+    p.add_argument("--powersgd-start", type=int, default=2, help="dense steps before PowerSGD starts (at "
+                   "least 2, torch's minimum)")
+    p.add_argument("--fp16-hook", action="store_true", help="DDP's fp16_compress_hook")
+    p.add_argument("--no-exchange", action="store_true", help="no DDP: every rank trains alone (the compute "
+                   "floor of the same ranks)")
     p.add_argument("--out", required=True)
     return p
 

@@ -91,6 +91,29 @@ def committed_step(path: Path) -> int:
         peer.close()
 
 
+class RemoteWriter:
+    """Another machine's model-file writer, followed through the job's store: its files are on that
+    machine's disk, so its newest committed step travels as a key of the store instead.
+
+    Args:
+        store: the job's store (the default process group's).
+        rank: the writer's rank.
+    """
+
+    def __init__(self, store: Any, rank: int):
+        self.store, self.key = store, f"convoy/checkpoint/model-rank{rank}"
+
+    def committed_step(self) -> int:
+        if not self.store.check([self.key]):
+            return -1
+        return int(self.store.get(self.key))
+
+    @staticmethod
+    def publish(store: Any, rank: int, step: int) -> None:
+        """Tell the other machines' writers that ``rank``'s model file holds ``step``."""
+        store.set(f"convoy/checkpoint/model-rank{rank}", str(step))
+
+
 class PeerFile:
     """Another rank's checkpoint file, polled for its newest committed step.
 
@@ -177,7 +200,8 @@ class CheckpointListener(Listener):
                  rank_store: Store | None = None, peer_timeout_s: float = 300.0,
                  full_names: dict[str, str] | None = None, budget: float = DEFAULT_BUDGET,
                  full_every: int | str = 0, copy_on_write: bool = True, other_writers: list[int] = (),
-                 replay: bool = False, quiet_until: int = 0):
+                 replay: bool = False, quiet_until: int = 0, remote_writers: list[int] = (),
+                 peer_store: Any = None):
         if every != "auto" and (not isinstance(every, int) or every < 1):
             raise ValueError(f"every must be an integer >= 1 or 'auto', got {every!r}")
         if not 0.0 < budget < 1.0:
@@ -191,10 +215,15 @@ class CheckpointListener(Listener):
         self.last_step, self.steps_per_epoch = last_step, steps_per_epoch
         self.rank, self.writer_rank, self.local_ranks = rank, writer_rank, local_ranks
         self.other_writers = list(other_writers)
+        # Writers on other machines (torchrun on several hosts): kept within one checkpoint of this
+        # one through the job's store, as those on this machine are through their files.
+        self._remote = [RemoteWriter(peer_store, w) for w in remote_writers] if peer_store is not None else []
+        self._peer_store = peer_store
         self.model_store, self.rank_store = model_store, rank_store
         self._model_gen, self._rank_gen = model_generation, rank_generation
         self._last_rank_step = max(rank_store.committed_steps(), default=-1) if rank_store else -1
         self._last_model_step = max(model_store.committed_steps(), default=-1) if model_store else -1
+        self._publish(self._last_model_step)
         self._timeout = peer_timeout_s
         self._full_names = full_names
         self._auto_full = _AutoFullInterval(budget) if full_every == "auto" else None
@@ -484,10 +513,10 @@ class CheckpointListener(Listener):
         generation = self._model_gen + 1
         area = generation % AREAS
         if not checksums:   # first layer of this checkpoint: the area is no longer a valid one
-            for writer in self.other_writers:
+            for writer in self._other_model_files():
                 # The area holds this file's older step: another model file must hold the newer one
                 # before it goes, or a crash now would leave no step that every file holds.
-                self._await_peer(model_file(self.directory, writer), self._last_model_step)
+                self._await_peer(writer, self._last_model_step)
             store.invalidate(area)
             if self.full_every:   # this area's log extended the snapshot being overwritten
                 DiffLog.start(log_path(store.path, area), generation, step + 1).close()
@@ -538,10 +567,10 @@ class CheckpointListener(Listener):
         if self.rank != self.writer_rank:
             # Never let this file get two checkpoints ahead of the model file.
             self._await_peer(model_file(self.directory, self.writer_rank), self._last_rank_step)
-        for writer in self.other_writers:
+        for writer in self._other_model_files():
             # Nor a model file two checkpoints ahead of another: each keeps two, and a
             # resume needs a step every file holds.
-            self._await_peer(model_file(self.directory, writer), self._last_rank_step)
+            self._await_peer(writer, self._last_rank_step)
         try:
             self._persist_rank_state(done, epoch, position, state, image)
         finally:
@@ -561,6 +590,7 @@ class CheckpointListener(Listener):
                                "time": time.time(), **extra})
         self.model_store.commit(area, record)
         self._model_gen, self._last_model_step = generation, done
+        self._publish(done)
         if self.full_every:
             if self._log is not None:
                 self._log.close()
@@ -576,6 +606,7 @@ class CheckpointListener(Listener):
         buckets = list({id(u): u for u in updates.values() if u is not None}.values())
         skipped = [name for name, update in updates.items() if update is None]
         self.stats["bytes_written"] += self._log.append(done, difflog.pack(done, buckets, skipped))
+        self._publish(done)
         self.stats["log_cpu_s"] += time.thread_time() - cpu
         self.stats["commits"] += checkpoint
         self.stats["differential"] += checkpoint
@@ -622,13 +653,22 @@ class CheckpointListener(Listener):
         elif self._memory is not None:
             self._memory.place = None
 
-    def _await_peer(self, path: Path, step: int) -> None:
+    def _other_model_files(self) -> list[Path | RemoteWriter]:
+        """The other writers' model files: paths on this machine, store keys for other machines'."""
+        return [model_file(self.directory, writer) for writer in self.other_writers] + self._remote
+
+    def _publish(self, step: int) -> None:
+        if self._peer_store is not None and self.model_store is not None:
+            RemoteWriter.publish(self._peer_store, self.writer_rank, step)
+
+    def _await_peer(self, path: Path | RemoteWriter, step: int) -> None:
         deadline = time.monotonic() + self._timeout
         pause = _POLL_S[0]
-        peer = self._peers.setdefault(path, PeerFile(path))
+        peer = path if isinstance(path, RemoteWriter) else self._peers.setdefault(path, PeerFile(path))
         while peer.committed_step() < step:
             if time.monotonic() > deadline:
-                raise CheckpointError(f"{path} did not reach step {step} within {self._timeout:.0f} s")
+                where = path if isinstance(path, Path) else f"the model file of {path.key.rsplit('-', 1)[1]}"
+                raise CheckpointError(f"{where} did not reach step {step} within {self._timeout:.0f} s")
             time.sleep(pause)
             pause = min(2 * pause, _POLL_S[1])
 

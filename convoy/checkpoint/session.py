@@ -140,6 +140,18 @@ def _other_writers_here(writer: int, writers: list[int]) -> list[int]:
     return sorted({w for w in writers if w != writer and w in node})
 
 
+def _remote_writers(writer: int, writers: list[int]) -> dict[str, Any]:
+    """The writers of model files on other machines, and the job's store their steps travel through
+    (torchrun on several hosts: a directory per machine, and the files of one cannot see another's)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    node = range(rank - local_rank, rank - local_rank + int(os.environ.get("LOCAL_WORLD_SIZE", len(writers))))
+    remote = sorted({w for w in writers if w != writer and w not in node})
+    if not remote:
+        return {}
+    return {"remote_writers": remote, "peer_store": dist.distributed_c10d._get_default_store()}
+
+
 def _gather(value: Any, world: int) -> list[Any]:
     if world == 1:
         return [value]
@@ -213,6 +225,7 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
                                   steps_per_epoch=steps_per_epoch, rank=rank, writer_rank=writer,
                                   local_ranks=peers, model_store=model_store, full_names=full_names,
                                   other_writers=_other_writers_here(writer, [w for _, _, _, w in everyone]),
+                                  **_remote_writers(writer, [w for _, _, _, w in everyone]),
                                   model_generation=model_gen, rank_generation=rank_gen, rank_store=rank_store,
                                   peer_timeout_s=settings.timeout_s, budget=settings.budget,
                                   full_every=settings.full_every if differential_ok(engine.sync) else 0,

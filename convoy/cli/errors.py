@@ -7,8 +7,8 @@ import sys
 import traceback
 from typing import Callable, NoReturn
 
-from convoy.errors import JobStopped, TrainingDiverged, UsageError, one_line
-from convoy.utils.lifetime import Stopped
+from convoy.errors import JobStopped, StartupFailed, TrainingDiverged, UsageError, one_line
+from convoy.utils.lifetime import StopOverdue, Stopped
 
 ERROR_FILE_ENV = "CONVOY_ERROR_FILE"
 DIVERGED_EXIT = 3   # the run stopped on a non-finite loss or gradient
@@ -32,16 +32,21 @@ def is_stop(code: int) -> bool:
 
 
 def _summary(exc: BaseException, rank: int) -> str:
+    if isinstance(exc, StopOverdue):
+        return (f"stopped by {exc} to rank {rank}: the other ranks did not agree on a step to stop at within "
+                f"{exc.bound_s:g} s (gone or unreachable), so it ended alone; a resume goes on from the last "
+                "committed checkpoint")
     if isinstance(exc, Stopped):
         return f"stopped by {exc} to rank {rank} before training started"
-    return str(exc) if isinstance(exc, (UsageError, TrainingDiverged, JobStopped)) else f"{type(exc).__name__}: {exc}"
+    return str(exc) if isinstance(exc, (UsageError, TrainingDiverged, JobStopped, StartupFailed)) \
+        else f"{type(exc).__name__}: {exc}"
 
 
 def report_failure(exc: BaseException, rank: int) -> int:
     """Describe ``exc`` once, where the launcher (or a torchrun user) will look; return the exit code."""
     code = exit_code(exc)
-    # The user's input, the run's numbers or a stop signal, not a bug: no traceback.
-    expected = code in (2, DIVERGED_EXIT) or is_stop(code)
+    # The user's input, the run's numbers, a setting of the network or a stop signal, not a bug: no traceback.
+    expected = code in (2, DIVERGED_EXIT) or is_stop(code) or isinstance(exc, StartupFailed)
     summary = one_line(_summary(exc, rank))
     details = "" if expected else "".join(traceback.format_exception(exc))
     path = os.environ.get(ERROR_FILE_ENV)

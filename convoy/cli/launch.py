@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Callable
 from convoy.cli.errors import ERROR_FILE_ENV, is_stop, read_failure
 from convoy.runtime import BIND_STORE_ENV
-from convoy.utils.lifetime import Stopped, die_with_parent, stop_on_signals
+from convoy.utils.lifetime import STOP_GRACE_S, Stopped, die_with_parent, stop_on_signals
 from convoy.utils.spawn import free_port
 
 _POLL_S = 0.05
-_STOP_GRACE_S = 30.0   # a stop signal: a step and a checkpoint to finish (torchrun's agent waits as long)
 
 
 def launch(config_json: str, nproc: int) -> int:
@@ -73,7 +72,7 @@ def _supervise(procs: list[subprocess.Popen], error_dir: Path) -> int:
         if failed:
             report = read_failure(str(error_dir / f"rank{failed[0]}.json")) or {}
             if "stop" in report:   # the ranks agreed to stop after a step: the others are committing it too
-                _wait_all(procs, _STOP_GRACE_S)
+                _wait_all(procs, STOP_GRACE_S)
             _stop(procs)
             rank = _first_failure(failed, error_dir)
             return _explain(rank, procs[rank].returncode, error_dir)
@@ -92,7 +91,7 @@ def _stop_in_order(procs: list[subprocess.Popen], error_dir: Path, signum: int, 
         _signal_group(p, signum)
     try:
         with stop_on_signals():
-            finished = _wait_all(procs, _STOP_GRACE_S)
+            finished = _wait_all(procs, STOP_GRACE_S)
     except Stopped:
         finished = False
     _stop(procs)
@@ -107,7 +106,7 @@ def _stop_in_order(procs: list[subprocess.Popen], error_dir: Path, signum: int, 
     elif finished:
         where = "; every rank was stopped"
     else:
-        where = f"; the ranks did not stop within {_STOP_GRACE_S:g} s and were killed (a resume goes on from " \
+        where = f"; the ranks did not stop within {STOP_GRACE_S:g} s and were killed (a resume goes on from " \
                 "the last committed checkpoint)"
     print(f"convoy: stopped by {name} to {receiver}{where}", file=sys.stderr, flush=True)
     return 128 + signum

@@ -6,6 +6,7 @@ import argparse
 from convoy.errors import UsageError
 from convoy.sim.cpu import CpuCosts, measure_cpu_costs
 from convoy.sim.profile import ModelProfile, load_profile, profile_model
+from convoy.train.config import DataConfig
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -14,8 +15,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", metavar="FILE", help="per-layer sizes and times from a JSON file instead "
                    "of profiling (keys: name, batch_size, layers: [{name, shapes, forward_s, backward_s, "
                    "update_s, head}]); see --save-profile")
-    p.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default: 32, "
-                   "convoy train's)")
+    p.add_argument("--batch-size", type=int, default=DataConfig.batch_size, help="samples per worker per step "
+                   "(default: %(default)s, convoy train's)")
     p.add_argument("--input-shape", default="1,32,32", help="C,H,W of one input when profiling "
                    "(default: 1,32,32, the digits dataset)")
     p.add_argument("--save-profile", metavar="FILE", help="also write the profile used to FILE (JSON)")

@@ -8,9 +8,11 @@ from typing import Any
 from convoy.cli.sim_args import add_model_args, resolve_profile
 from convoy.emulation.topology import parse_rate
 from convoy.errors import UsageError
+from convoy.ps.settings import DEFAULT_SLICE_KB
 from convoy.sim.catalog import STRATEGY_NAMES, Knobs, build
 from convoy.sim.cluster import Cluster, load_cluster
 from convoy.sim.table import format_table
+from convoy.train.config import CompressConfig, SyncConfig
 
 DESCRIPTION = """\
 Predict the time of one training step for each synchronisation strategy,
@@ -57,21 +59,24 @@ def add_parser(subparsers: Any) -> None:
     s = p.add_argument_group("strategies and their knobs")
     s.add_argument("--strategy", nargs="+", default=list(STRATEGY_NAMES), metavar="NAME",
                    help="strategies to predict (default: all): " + ", ".join(STRATEGY_NAMES))
-    s.add_argument("--element-fraction", type=float, default=0.01, help="topk, randomk: share sent (default: 0.01)")
+    s.add_argument("--element-fraction", type=float, default=CompressConfig.element_fraction,
+                   help="topk, randomk: share sent (default: %(default)s, convoy train's)")
     s.add_argument("--blocks-per-layer", type=int, help="blocktopk: blocks per parameter (default: 1)")
     s.add_argument("--block-fraction", type=float, help="blocktopk: share of blocks kept")
     s.add_argument("--block-selection", default="local", choices=("local", "global"), help="blocktopk (default: local)")
     s.add_argument("--clusters", type=int, default=2, help="hierarchical: K clusters (default: 2)")
-    s.add_argument("--exchange-every", type=int, default=10, help="hierarchical: T steps per cycle (default: 10)")
+    s.add_argument("--exchange-every", type=int, default=SyncConfig.exchange_every,
+                   help="hierarchical: T steps per cycle (default: %(default)s, convoy train's)")
     s.add_argument("--servers", type=int, default=1, help="ps: S server ranks (default: 1)")
     s.add_argument("--priority", default="graph", choices=("graph", "fifo"), help="ps (default: graph)")
-    s.add_argument("--slice-kb", type=float, default=256, help="ps: slice size, 0 for whole layers (default: 256)")
+    s.add_argument("--slice-kb", type=float, default=DEFAULT_SLICE_KB,
+                   help="ps: slice size, 0 for whole layers (default: %(default)g, convoy train's)")
     s.add_argument("--conv-workers", type=int, help="hybrid: I (default: nodes - J)")
     s.add_argument("--fc-workers", type=int, help="hybrid: J (default: nodes / 4, at least 1)")
-    s.add_argument("--block-size", type=int, default=16, help="blocktopk: elements per block (default: 16, "
-                   "convoy train's)")
-    s.add_argument("--powersgd-rank", type=int, default=2, help="powersgd (the DDP peer's hook) and "
-                   "convoy-powersgd: matrix rank (default: 2)")
+    s.add_argument("--block-size", type=int, default=CompressConfig.block_size, help="blocktopk: elements per "
+                   "block (default: %(default)s, convoy train's)")
+    s.add_argument("--powersgd-rank", type=int, default=CompressConfig.powersgd_rank, help="powersgd (the DDP "
+                   "peer's hook) and convoy-powersgd: matrix rank (default: %(default)s, convoy train's)")
     p.set_defaults(func=run)
 
 

@@ -7,7 +7,7 @@ import os
 import time
 from typing import NoReturn
 
-from convoy.cli.errors import run_and_exit
+from convoy.cli.errors import report_failure, run_and_exit
 from convoy.cli.launch import launch
 from convoy.errors import UsageError
 from convoy.runtime import launched_by_torchrun
@@ -114,8 +114,9 @@ def run_worker(config: TrainConfig) -> NoReturn:
 
     def body() -> None:
         # SIGTERM/SIGINT/SIGHUP (from convoy's launcher, torchrun's agent or a user) end the
-        # run after a step every rank agrees on, with a checkpoint of it; see StopRequest.
-        summary = train(config, StopRequest.install())
+        # run after a step every rank agrees on, with a checkpoint of it; see StopRequest. Within
+        # a bound, whatever the other ranks do: one line says so if they never agreed.
+        summary = train(config, StopRequest.install(overdue=lambda exc: report_failure(exc, rank)))
         shutdown()
         if rank == 0:
             print(summary.line(), flush=True)

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from convoy.compress.base import Compressor, LayerInfo, Memory, NoMemory, ResidualMemory, Support
-from convoy.compress.blocktopk import SELECTIONS, BlockTopKCompressor
+from convoy.compress.blocktopk import (DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, DEFAULT_METRIC, SELECTIONS,
+                                      BlockTopKCompressor)
 from convoy.compress.blocks import METRICS, BlockLayout
 from convoy.compress.fp16 import FP16Compressor
 from convoy.compress.identity import IdentityCompressor
@@ -22,9 +23,10 @@ MOMENTUM_CORRECTED_NAMES = (*SPARSE_NAMES, "powersgd")
 
 
 def build_compressor(name: str, *, blocks_per_layer: int | None = None, block_fraction: float | None = None,
-                     block_metric: str = "l1", block_selection: str = "local", block_size: int | None = None,
-                     element_fraction: float = 0.01, powersgd_rank: int = DEFAULT_POWERSGD_RANK,
-                     dense_below: int = 0) -> tuple[Compressor, Memory]:
+                     block_metric: str = DEFAULT_METRIC, block_selection: str = "local",
+                     block_size: int | None = DEFAULT_BLOCK_SIZE, element_fraction: float = 0.01,
+                     powersgd_rank: int = DEFAULT_POWERSGD_RANK,
+                     dense_below: int = DEFAULT_DENSE_BELOW) -> tuple[Compressor, Memory]:
     """Return the compressor called ``name`` and the error-feedback memory it uses.
 
     Args:
@@ -54,7 +56,8 @@ def build_compressor(name: str, *, blocks_per_layer: int | None = None, block_fr
     raise UsageError(f"unknown compressor {name!r}; choose one of: {', '.join(COMPRESS_NAMES)}")
 
 
-__all__ = ["COMPRESS_NAMES", "DEFAULT_POWERSGD_RANK", "METRICS", "MOMENTUM_CORRECTED_NAMES", "SELECTIONS", "SPARSE_NAMES", "BlockLayout",
+__all__ = ["COMPRESS_NAMES", "DEFAULT_BLOCK_SIZE", "DEFAULT_DENSE_BELOW", "DEFAULT_METRIC",
+           "DEFAULT_POWERSGD_RANK", "METRICS", "MOMENTUM_CORRECTED_NAMES", "SELECTIONS", "SPARSE_NAMES", "BlockLayout",
            "BlockTopKCompressor", "CodecError", "Compressor", "FP16Compressor", "IdentityCompressor", "LayerInfo",
            "Memory", "MomentumCorrection", "NoMemory", "PowerSGDCompressor",
            "RandomKCompressor", "ResidualMemory", "Support", "TopKCompressor", "build_compressor"]

@@ -38,8 +38,9 @@ import torch
 
 from convoy.compress.base import Compressor, LayerInfo, Payload
 
-# Columns of the factors unless told otherwise (``convoy train --powersgd-rank``, the DDP hook):
-# rank 2 ended further below dense on vgg_fc than 4 (docs/compression.md).
+
+# Columns of the factors unless told otherwise: rank 2 ended further below dense on vgg_fc than 4
+# (docs/compression.md).
 DEFAULT_RANK = 4
 
 

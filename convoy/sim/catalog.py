@@ -91,8 +91,9 @@ def candidates(nodes: int, racks: int = 1, has_head: bool = True, costs: CpuCost
 
 
 def peers(costs: CpuCosts | None = None) -> list[Strategy]:
-    """What a user would run instead of convoy: torch DDP, and DDP with torch's PowerSGD hook."""
-    return [TorchDDP(0, costs=costs)] + [TorchDDP(rank, costs=costs) for rank in (1, 2, 4)]
+    """What a user would run instead of convoy: torch DDP, and DDP with torch's PowerSGD hook at each
+    rank a user would sweep."""
+    return [TorchDDP(0, costs=costs)] + [TorchDDP(rank, costs=costs) for rank in (1, 2, 4, 8)]
 
 
 def from_flags(flags: list[str], nodes: int, costs: CpuCosts | None = None) -> Strategy:

@@ -9,17 +9,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from convoy.compress import DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, DEFAULT_POWERSGD_RANK
 from convoy.compress.blocks import BlockLayout
 from convoy.compress.powersgd import PowerSGDCompressor
 from convoy.compress.topk import kept_count
 from convoy.errors import UsageError
 
 COMPRESSORS = ("none", "fp16", "randomk", "topk", "blocktopk", "powersgd")
-# convoy train's defaults, which flags() leaves out.
-DEFAULT_BLOCK_SIZE = 16
-# convoy train's --dense-below: blocktopk sends parameters of fewer elements whole.
-DEFAULT_DENSE_BELOW = 16384
-DEFAULT_POWERSGD_RANK = 2
 # The density a sparse compressor's warm-up starts from (convoy.sync.allreduce.WARMUP_START_DENSITY).
 RAMP_START = 0.25
 

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from convoy.compress.powersgd import DEFAULT_RANK as DEFAULT_POWERSGD_RANK
+from convoy.compress import DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, DEFAULT_METRIC, DEFAULT_POWERSGD_RANK
 from convoy.errors import UsageError
+from convoy.ps.settings import DEFAULT_CHANNELS, DEFAULT_CREDIT_KB, DEFAULT_SLICE_KB
 from convoy.utils.suggest import did_you_mean
 from convoy.utils.toml import read_toml
 
@@ -241,13 +242,15 @@ class SyncConfig:
                                      "link serves less, so its link carries less), or links: and each rank's "
                                      "link rate (links:1gbit,1gbit,250mbit: the shares that make the busiest "
                                      "link's step shortest); default: equal shares")
-    channels: int | None = _opt(None, "ps: connections (process groups) per server-worker pair (default 2; fifo: 1)",
+    channels: int | None = _opt(None, f"ps: connections (process groups) per server-worker pair (default "
+                                f"{DEFAULT_CHANNELS}; fifo: 1)",
                                 count=True)
     priority: str = _opt("graph", "ps: transfer order: graph (the next forward's order, traced), timed (also "
                          "weighs measured run and transfer times), or fifo (arrival order, whole tensors)")
-    slice_kb: float | None = _opt(None, "ps: cut transfers into slices of this many KB (default 256; fifo: whole "
-                                  "tensors)")
-    credit_kb: float | None = _opt(None, "ps: KB a sender keeps in flight at most (default 1024; fifo: no limit)")
+    slice_kb: float | None = _opt(None, f"ps: cut transfers into slices of this many KB (default "
+                                  f"{DEFAULT_SLICE_KB:g}; fifo: whole tensors)")
+    credit_kb: float | None = _opt(None, f"ps: KB a sender keeps in flight to each peer at most, until the "
+                                   f"receiver acknowledges them (default {DEFAULT_CREDIT_KB:g}; fifo: no limit)")
     trace: bool = _opt(False, "ps: record a timeline of --trace-steps steps; writes trace.json (Chrome trace) "
                        "into the run folder")
     trace_steps: int = _opt(3, "ps: steps the --trace timeline covers (after the first)", count=True)
@@ -291,8 +294,8 @@ class CompressConfig:
                                         "exclusive with --block-fraction)", count=True)
     block_fraction: float | None = _opt(None, "blocktopk: fraction of each parameter's blocks kept, "
                                         "in (0, 1], at least one")
-    block_metric: str = _opt("l2", "blocktopk: norm that scores a block: l1 or l2 (l2 chosen by measurement: "
-                             "vgg_fc ended nearer dense, docs/compression.md)")
+    block_metric: str = _opt(DEFAULT_METRIC, "blocktopk: norm that scores a block: l1 or l2 (l2 chosen by "
+                             "measurement: vgg_fc ended nearer dense, docs/compression.md)")
     block_selection: str = _opt("local", "blocktopk: local (each rank its own blocks, all-gathered) or "
                                 "global (scores summed, the same blocks on every rank, all-reduced)")
     element_fraction: float = _opt(0.01, "topk, randomk: fraction of each layer's elements sent, in (0, 1]")
@@ -301,15 +304,15 @@ class CompressConfig:
                                     "N; other compressors send the first N steps uncompressed (default: "
                                     f"{SPARSE_WARMUP_STEPS} for the former, 0 otherwise)", count=True)
     # Sparse compression that converges (DGC's fixes)
-    block_size: int = _opt(16, "blocktopk: elements per block (exactly: the largest divisor of a parameter's "
+    block_size: int = _opt(DEFAULT_BLOCK_SIZE, "blocktopk: elements per block (exactly: the largest divisor of a parameter's "
                            "size not above N), so small and large layers are cut alike")
-    dense_below: int = _opt(16384, "blocktopk: parameters of fewer than N elements (biases, small layers, a "
+    dense_below: int = _opt(DEFAULT_DENSE_BELOW, "blocktopk: parameters of fewer than N elements (biases, small layers, a "
                             "classifier head) are sent whole every step; 0: every parameter is cut")
     # PowerSGD inside the engine
-    powersgd_rank: int = _opt(DEFAULT_POWERSGD_RANK, "powersgd: R, columns of each layer's factors P and Q (an "
-                              "integer >= 1); a layer whose matrix has a side of R or fewer, or that factors would "
-                              "not shrink 2x, is sent dense (4 chosen by measurement: rank 2 ended further below "
-                              "dense on vgg_fc, docs/compression.md)", count=True)
+    powersgd_rank: int = _opt(DEFAULT_POWERSGD_RANK, "powersgd: R, columns of each layer's factors P and Q (an integer >= 1); a "
+                              "layer whose matrix has a side of R or fewer, or that factors would not shrink "
+                              "2x, is sent dense (4 chosen by measurement: rank 2 ended further below dense "
+                              "on vgg_fc, docs/compression.md)", count=True)
     momentum_masking: bool = _opt(False, "with momentum correction and a sparse compressor: zero the velocity "
                                   "where a value that had waited is sent (DGC's momentum factor masking; off by "
                                   "default: it slowed vgg_fc's start, docs/compression.md)")

@@ -5,11 +5,19 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 _PR_SET_PDEATHSIG = 1
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# How long a launcher (convoy's, like torchrun's agent) waits for its workers after a stop signal
+# before it kills them.
+STOP_GRACE_S = 30.0
+# A worker's own bound on a stop, under the launcher's: a stop waits for the other ranks to agree on
+# a step, and ranks that are gone or unreachable never answer; the worker then ends by itself, and
+# says why, before the launcher's SIGKILL would end it without a word (or where no launcher waits).
+WORKER_STOP_BOUND_S = STOP_GRACE_S - 5.0
 
 
 class Stopped(Exception):
@@ -18,6 +26,14 @@ class Stopped(Exception):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+class StopOverdue(Stopped):
+    """A stop signal was not carried out within ``bound_s``: the worker ends without its peers."""
+
+    def __init__(self, signum: int, bound_s: float):
+        super().__init__(signum)
+        self.bound_s = bound_s
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
@@ -71,8 +87,11 @@ class StopRequest:
     :class:`Stopped` at once: nothing is in flight that a stop should finish.
     From then on the handler only records the first signal; the loop passes
     :attr:`signum` to the per-step agreement, so every rank stops after the
-    same step and can commit a checkpoint there. Later signals change nothing:
-    the launcher (or torchrun's agent) sends SIGKILL if the stop takes too long.
+    same step and can commit a checkpoint there. Later signals change nothing.
+    Whatever the peers do, the process ends within ``bound_s`` of the first
+    signal: ``overdue(StopOverdue)`` reports it, then the process exits with
+    status 128 + the signal (a stop blocked in a collective with ranks that are
+    gone, or in a start-up that waits for them, cannot hold it longer).
 
     Example::
 
@@ -82,16 +101,23 @@ class StopRequest:
         ...     agreed = guard.check(step, train(batch), stop=stop.signum)
     """
 
-    __slots__ = ("signum", "deferring")
+    __slots__ = ("signum", "deferring", "bound_s", "overdue")
 
-    def __init__(self) -> None:
+    def __init__(self, bound_s: float | None = None, overdue: Callable[[StopOverdue], None] | None = None) -> None:
         self.signum = 0   # 0: no stop requested
         self.deferring = False
+        self.bound_s, self.overdue = bound_s, overdue
 
     @classmethod
-    def install(cls) -> "StopRequest":
-        """A request that STOP_SIGNALS set, for the rest of this process's life."""
-        request = cls()
+    def install(cls, bound_s: float = WORKER_STOP_BOUND_S,
+                overdue: Callable[[StopOverdue], None] | None = None) -> "StopRequest":
+        """A request that STOP_SIGNALS set, for the rest of this process's life.
+
+        Args:
+            bound_s: the process ends this long after the first signal at the latest.
+            overdue: reports the overdue stop (its one line) before the process ends.
+        """
+        request = cls(bound_s, overdue)
         for sig in STOP_SIGNALS:
             signal.signal(sig, request._handle)
         return request
@@ -103,6 +129,17 @@ class StopRequest:
     def _handle(self, signum: int, _frame: object) -> None:
         if not self.signum:
             self.signum = signum
+            if self.bound_s is not None:
+                # A thread, not an alarm: the main thread may be blocked in C++ where no handler runs.
+                timer = threading.Timer(self.bound_s, self._end_overdue)
+                timer.daemon = True
+                timer.start()
         if not self.deferring:
             self.deferring = True   # raise once: the report of the stop must not be interrupted
             raise Stopped(signum)
+
+    def _end_overdue(self) -> None:
+        if self.overdue is not None:
+            self.overdue(StopOverdue(self.signum, self.bound_s or 0.0))
+        sys.stderr.flush()
+        os._exit(128 + self.signum)

@@ -48,7 +48,9 @@ def build_job(compress: str = "none"):
     model = lenet()
     # "blocktopk-global": blocks chosen on summed scores (a memory update that reads the peers').
     name, _, selection = compress.partition("-")
-    compressor, memory = build_compressor(name, block_selection=selection or "local")
+    # Every lenet layer cut into whole-row blocks, so each one's checkpoint holds a sparse update.
+    compressor, memory = build_compressor(name, block_selection=selection or "local", block_size=None,
+                                          dense_below=0)
     return model, Engine(model, torch.optim.SGD, AllReduce(None, compressor, memory), **HYPER), x, y
 
 

@@ -185,9 +185,11 @@ def test_a_torchrun_restart_resumes_from_the_last_commit_by_itself(resumed_run, 
     """
     whole = resumed_run[0] / "whole"
     (tmp_path / "crashing.py").write_text(textwrap.dedent(CRASHING_MODEL))
-    env = {**os.environ, **importable(tmp_path), "CRASH_MARKER": str(tmp_path / "crashed"), "GLOO_SOCKET_IFNAME": "lo",
-           # torchrun's shared TCP store hands restarted workers stale gloo addresses (pytorch#135712)
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # No extra variable: restarted workers must not read their predecessors' keys in torchrun's
+    # shared store (convoy.runtime gives every start a store of its own).
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "GLOO_SOCKET_IFNAME")}
+    env.update(importable(tmp_path), CRASH_MARKER=str(tmp_path / "crashed"))
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              "--max-restarts", "1", "-m", "convoy", "train", *JOB[2:], "--steps", "12",
                              "--model", "crashing:factory", "--timeout", "30",

@@ -10,6 +10,7 @@ import os
 import random
 import re
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -124,6 +125,60 @@ def test_fuzzed_mnist_files_load_or_are_refused(tmp_path, content, zipped):
         path.write_bytes(gzip.compress(content) if zipped else content)
     with contextlib.suppress(UsageError):
         load(str(tmp_path))
+
+
+_MNIST_SHAPES = {"train-images-idx3-ubyte": (28, 28), "train-labels-idx1-ubyte": (),
+                 "t10k-images-idx3-ubyte": (28, 28), "t10k-labels-idx1-ubyte": ()}
+
+
+def _idx(values: bytes, count: int, shape: tuple[int, ...]) -> bytes:
+    dims = (count, *shape)
+    return struct.pack(f">i{len(dims)}i", 0x0800 | len(dims), *dims) + values
+
+
+def _decoded(data: bytes, ndims: int) -> list[int]:
+    """The values an IDX file's bytes say it holds (the test's own reading of the format)."""
+    return list(data[4 + 4 * ndims:])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(counts=st.tuples(st.integers(0, 3), st.integers(0, 3)), seed=st.integers(0, 2**32 - 1),
+       mutation=st.sampled_from(["none", "flip", "truncate", "append"]), where=st.integers(0, 10**6),
+       victim=st.sampled_from(sorted(_MNIST_SHAPES)))
+def test_mutated_mnist_files_are_refused_or_load_exactly_what_they_hold(tmp_path, counts, seed, mutation, where,
+                                                                       victim):
+    """A valid MNIST set with one file mutated: refused in one line, or loaded value for value as written.
+
+    A wrong successful load (labels shifted, pixels from the header, a short file padded) is the bug.
+    """
+    from convoy.data.mnist import load
+
+    rng, files = random.Random(seed), {}
+    for name, shape in _MNIST_SHAPES.items():
+        count = counts[name.startswith("t10k")]
+        size = count * (28 * 28 if shape else 1)
+        files[name] = _idx(bytes(rng.randrange(256 if shape else 10) for _ in range(size)), count, shape)
+    data = bytearray(files[victim])
+    if mutation == "flip":
+        data[where % len(data)] ^= 1 + where % 255
+    elif mutation == "truncate":
+        del data[where % len(data):]
+    elif mutation == "append":
+        data += bytes([where % 256])
+    files[victim] = bytes(data)
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    try:
+        splits = load(str(tmp_path))
+    except UsageError as error:
+        assert mutation != "none" and "\n" not in str(error) and victim in str(error)
+        return
+    for split, prefix in ((splits.train, "train"), (splits.test, "t10k")):
+        images, labels = split.tensors
+        pixels = _decoded(files[f"{prefix}-images-idx3-ubyte"], 3)
+        expected = (torch.tensor(pixels, dtype=torch.float32).reshape(-1, 1, 28, 28) / 255 - 0.1307) / 0.3081
+        torch.testing.assert_close(images, expected, rtol=0, atol=1e-6)
+        assert labels.tolist() == _decoded(files[f"{prefix}-labels-idx1-ubyte"], 1)
 
 
 def test_a_gzip_bomb_is_refused_without_reading_it_whole(tmp_path):

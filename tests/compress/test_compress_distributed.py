@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from typing import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from convoy.compress import BlockTopKCompressor, NoMemory, RandomKCompressor, ResidualMemory, TopKCompressor
+from convoy.compress import (BlockTopKCompressor, FP16Compressor, NoMemory, PowerSGDCompressor, RandomKCompressor,
+                             ResidualMemory, TopKCompressor)
 from convoy.engine import Engine
 from convoy.errors import UsageError
 from convoy.sync import AllReduce
@@ -120,6 +123,44 @@ def test_a_sparse_exchange_reports_where_its_average_may_be_non_zero():
             assert average.count_nonzero() > 0, selection
             assert not average.view(torch.int32)[~inside].any(), selection
             assert inside.sum() < average.numel(), selection
+
+
+def _slowed_train(rank: int, world: int, make: Callable[[], AllReduce], slow_s: float) -> torch.Tensor:
+    """Parameters after 6 steps, one bucket per layer; rank 1 sleeps ``slow_s`` per parameter in backward."""
+    model = seeded_model("lenet")
+    if rank == 1 and slow_s:
+        for p in model.parameters():
+            # Its layers' exchanges start late, so the other ranks' earlier ones wait in flight
+            # while their auxiliary threads compress (and free) the next buckets' tensors.
+            p.register_hook(lambda grad: (time.sleep(slow_s), grad)[1])
+    engine = Engine(model, torch.optim.SGD, make(), bucket_bytes=0, lr=LR, momentum=MOMENTUM)
+    for x, y in digits_batches(world, rank, 8, 6):
+        engine.backward(F.cross_entropy(model(x), y))
+    engine.synchronize()
+    engine.close()
+    return flat(model)
+
+
+def _slow_peer_worker(rank: int, world: int):
+    strategies = {
+        "fp16": lambda: AllReduce(dist.new_group(), FP16Compressor(), ResidualMemory()),
+        "blocktopk": lambda: AllReduce(dist.new_group(), BlockTopKCompressor(fraction=0.1), ResidualMemory()),
+        "powersgd": lambda: AllReduce(dist.new_group(), PowerSGDCompressor(2), ResidualMemory()),
+    }
+    return {name: [_slowed_train(rank, world, make, slow_s) for slow_s in (0.0, 0.05)]
+            for name, make in strategies.items()}
+
+
+@pytest.mark.timeout(300)
+def test_a_slow_peer_changes_no_bit_of_a_compressed_exchange():
+    """Slow links change only timing: exchanges left in flight while later buckets are compressed (a
+    summed fp16 wire, gathered rows, PowerSGD's rounds) give the parameters of the same job without the
+    delay, on every rank."""
+    results = run_workers(_slow_peer_worker, 3)
+    for name, (fast, slow) in results[0].items():
+        assert not torch.equal(fast, flat(seeded_model("lenet"))), name
+        for other in results:
+            assert torch.equal(other[name][0], fast) and torch.equal(other[name][1], fast), name
 
 
 @pytest.mark.parametrize("args,expected", [

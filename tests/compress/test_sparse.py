@@ -94,11 +94,14 @@ def test_a_gradient_spike_cannot_leave_in_one_burst():
 
 def test_sparse_sgd_with_momentum_trains_with_momentum_correction_by_default():
     from convoy.train.config import TrainConfig
+    from convoy.compress import MomentumCorrection
     from convoy.train.loop import optimizer_spec
+    from convoy.train.optim import build_compression
 
     sparse = TrainConfig.from_flat(compress="blocktopk", block_fraction=0.01, lr=0.05)
     assert optimizer_spec(sparse)[1] == {"lr": 0.05, "momentum": 0.0, "weight_decay": 0.0}
-    assert sparse.compress.clip_norm is not None
+    _, memory = build_compression(sparse.validate(), workers=2)
+    assert isinstance(memory, MomentumCorrection) and memory.momentum == 0.9 and memory.local_clip is not None
     for config in (TrainConfig(), TrainConfig.from_flat(compress="blocktopk", momentum_correction=False),
                    TrainConfig.from_flat(compress="fp16"), TrainConfig.from_flat(compress="topk", optimizer="adam")):
         assert optimizer_spec(config)[1].get("momentum", 0.9) == 0.9

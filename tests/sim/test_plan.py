@@ -9,6 +9,7 @@ import pytest
 from convoy.cli.main import build_parser, main
 from convoy.cli.plan import available, rank, train_choices, train_flags
 from convoy.cli.train import config_from_args
+from convoy.compress import DEFAULT_POWERSGD_RANK
 from convoy.sim.catalog import candidates
 from convoy.sim.cluster import Cluster
 from convoy.sim.profile import LayerProfile, ModelProfile
@@ -215,7 +216,8 @@ def test_the_peers_are_ranked_beside_convoy_and_plan_says_who_wins(capsys):
     peer = by_name["ddp powersgd 2"]
     assert peer["peer"] and peer["available"] and not peer["node_commands"]
     assert peer["command"].startswith("torchrun --nproc-per-node 4 bench/peers/ddp_train.py")
-    assert "--compress powersgd --powersgd-rank 2" in by_name["allreduce powersgd 2"]["command"]
+    assert "--compress powersgd" in by_name[f"allreduce powersgd {DEFAULT_POWERSGD_RANK}"]["command"]
+    assert {f"ddp powersgd {rank}" for rank in (1, 2, 4, 8)} <= set(by_name)   # the rank sweep a user runs
     line = verdict(rows)
     best_ours = next(r for r in rows if not r["peer"])
     best_peer = next(r for r in rows if r["peer"])

@@ -1,0 +1,151 @@
+"""torchrun across two emulated hosts (network namespaces): c10d rendezvous, one agent per host.
+
+The job equals ``convoy train --nproc 2`` bit for bit; a worker SIGKILLed under ``--max-restarts 1``
+resumes from the checkpoint and ends bit for bit there too; and a host that gives gloo an address the
+other cannot reach fails within --timeout with one line naming what to set.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from convoy.emulation import EmulatedCluster, Topology
+from tests.helpers import convoy_in_process, importable, require_timeout
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None
+                                or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0,
+                                reason="two emulated hosts need root and `ip netns` (iproute2)")
+
+# 5 steps an epoch on digits with 2 workers: 12 steps cross two epoch boundaries.
+JOB = ("--batch-size", "128", "--lr-schedule", "constant", "--compress", "fp16", "--no-progress",
+       "--eval-every", "0", "--steps", "12", "--model", "crashing:factory")
+RDZV_PORT = 29400   # in the first host's namespace: its own port space
+AGENT_TIMEOUT_S = 150
+
+# LeNet plus a forward hook that SIGKILLs rank 1 at its sixth step, once (unless the marker exists).
+CRASHING_MODEL = """
+import os, signal
+from pathlib import Path
+from convoy.models.lenet import lenet
+
+def factory():
+    model = lenet()
+    calls = [0]
+
+    def hook(module, args):
+        calls[0] += 1
+        marker = Path(os.environ["CRASH_MARKER"])
+        if os.environ["RANK"] == "1" and calls[0] == 6 and not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    model.register_forward_pre_hook(hook)
+    return model
+"""
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """Two hosts on a 1 Gbit/s switch; removed afterwards, whatever happened."""
+    with EmulatedCluster(Topology(hosts=2, host_rate=1e9)) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The model folder of ``convoy train --nproc 2`` of JOB, and the folder the model module lives in."""
+    tmp = tmp_path_factory.mktemp("twohosts")
+    (tmp / "crashing.py").write_text(textwrap.dedent(CRASHING_MODEL))
+    (tmp / "never").touch()   # an existing marker: the hook never kills
+    run = convoy_in_process("train", "--nproc", "2", *JOB, "--out", str(tmp / "reference"),
+                            env={**importable(tmp), "CRASH_MARKER": str(tmp / "never")})
+    assert run.returncode == 0, run.stderr
+    return tmp
+
+
+def _torchrun(hosts: EmulatedCluster, tmp: Path, marker: Path, out: Path, extra: tuple[str, ...] = (),
+              gloo_interface: str | None = "eth0", agent: tuple[str, ...] = ()) -> list[subprocess.CompletedProcess]:
+    """One torchrun agent per host, c10d rendezvous on the first; their exit statuses and output."""
+    require_timeout("starts torchrun agents")
+    first = hosts.topology.address(0)
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("GLOO_SOCKET_IFNAME", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}
+    env.update(importable(tmp), CRASH_MARKER=str(marker), TORCH_CPP_LOG_LEVEL="ERROR")
+    if gloo_interface:
+        env["GLOO_SOCKET_IFNAME"] = gloo_interface
+    agents = []
+    for host in range(2):
+        argv = [*hosts.exec_prefix(host), sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{first}:{RDZV_PORT}",
+                "--rdzv-id", out.name, "--local-addr", hosts.topology.address(host), *agent,
+                # The first host serves the rendezvous: torchrun guesses so only from the machine's host name.
+                "--rdzv-conf", f"is_host={int(host == 0)}",
+                "-m", "convoy", "train", *JOB, *extra, "--out", str(out)]
+        agents.append(subprocess.Popen(argv, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, start_new_session=True))
+    done = []
+    try:
+        for agent_process in agents:
+            stdout, stderr = agent_process.communicate(timeout=AGENT_TIMEOUT_S)
+            done.append(subprocess.CompletedProcess(agent_process.args, agent_process.returncode, stdout, stderr))
+    finally:
+        for agent_process in agents:   # a failed test leaves no agent or worker behind
+            if agent_process.poll() is None:
+                os.killpg(agent_process.pid, signal.SIGKILL)
+                agent_process.wait()
+    return done
+
+
+def _convoy_lines(agents: list[subprocess.CompletedProcess]) -> str:
+    """What convoy's workers said on each host (torchrun's own reports are long and say less)."""
+    return "\n".join(f"host {host}: {line}" for host, agent in enumerate(agents)
+                     for line in agent.stderr.splitlines() if line.startswith("convoy"))
+
+
+def _same_models(a: Path, b: Path) -> None:
+    x, y = torch.load(a / "model.pt"), torch.load(b / "model.pt")
+    for key in x["model"]:
+        assert torch.equal(x["model"][key], y["model"][key]), key
+    for p, q in zip(x["optimizers"], y["optimizers"]):
+        for index in p["state"]:
+            assert torch.equal(p["state"][index]["momentum_buffer"], q["state"][index]["momentum_buffer"])
+
+
+@pytest.mark.timeout(400)
+def test_two_torchrun_hosts_equal_nproc_2_and_a_killed_worker_resumes_bit_identically(hosts, reference):
+    tmp = reference
+    agents = _torchrun(hosts, tmp, tmp / "never", tmp / "whole")
+    assert all(a.returncode == 0 for a in agents), _convoy_lines(agents)
+    _same_models(tmp / "reference", tmp / "whole")
+
+    # Rank 1 SIGKILLs itself at step 5; both agents restart their worker, which resumes from the checkpoint.
+    agents = _torchrun(hosts, tmp, tmp / "crashed", tmp / "restarted", ("--checkpoint-dir", str(tmp / "ckpt")),
+                       agent=("--max-restarts", "1"))
+    assert all(a.returncode == 0 for a in agents), _convoy_lines(agents)
+    assert (tmp / "crashed").exists()
+    assert "resumed from" in "".join(a.stderr for a in agents)
+    _same_models(tmp / "reference", tmp / "restarted")
+
+
+@pytest.mark.timeout(300)
+def test_a_host_name_the_other_host_cannot_reach_fails_within_the_timeout_with_one_line(hosts, reference):
+    """No GLOO_SOCKET_IFNAME: gloo gives the peer the address of the host's name, which resolves to
+    loopback or to the machine's own address, outside the other namespace's reach."""
+    tmp = reference
+    agents = _torchrun(hosts, tmp, tmp / "never", tmp / "unreachable", ("--timeout", "5"), gloo_interface=None)
+    assert all(agent.returncode != 0 for agent in agents)
+    lines = [[line for line in agent.stderr.splitlines() if line.startswith("convoy:")] for agent in agents]
+    assert all(len(said) == 1 for said in lines), _convoy_lines(agents)
+    failed = [said[0] for said in lines if "could not connect to every other rank within 5 s (--timeout)" in said[0]]
+    # The first host to fail ends the rendezvous; the other agent may then stop its worker first.
+    assert failed and all(said[0] in failed or said[0].endswith("before training started") for said in lines), \
+        _convoy_lines(agents)
+    assert all("GLOO_SOCKET_IFNAME" in line and "--local-addr" in line for line in failed), failed
