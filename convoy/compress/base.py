@@ -132,6 +132,9 @@ class Compressor(ABC):
     def keep_sum(self, summed: Payload, ctx: Any) -> None:
         """Keep what the next step needs of the final payload summed over the ranks (see ``keeps_sum``)."""
 
+    def forget(self, name: str) -> None:
+        """Drop what is kept for layer ``name`` (its layout changed, e.g. DDP rebuilt its buckets)."""
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """State a bit-identical resume needs (a warm start), by stable ``kind.name`` keys."""
         return {}

@@ -246,6 +246,10 @@ class PowerSGDCompressor(Compressor):
         return q
 
     # ----------------------------------------------------------- checkpoints
+    def forget(self, name: str) -> None:
+        for key in [key for key in self.warm if key.rsplit(".", 1)[0] == name]:
+            del self.warm[key]
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {f"powersgd_q.{key}": q for key, q in self.warm.items()}
 

@@ -31,6 +31,17 @@ def _exchange_locally(compressor: PowerSGDCompressor, gradient: torch.Tensor) ->
     return compressor.decompress(payload, ctx)
 
 
+def test_forget_drops_that_layers_warm_start_only():
+    compressor = PowerSGDCompressor(2)
+    for name in ("1", "10"):
+        payload, ctx = compressor.compress(_low_rank_gradient(2, seed=1), name, LayerInfo(shapes=SHAPES))
+        payload, ctx = compressor.next_round(payload, ctx)
+        compressor.decompress(payload, ctx)
+    kept = compressor.state_tensors()
+    compressor.forget("1")
+    assert set(kept) == {"powersgd_q.1.0", "powersgd_q.10.0"} and set(compressor.state_tensors()) == {"powersgd_q.10.0"}
+
+
 @pytest.mark.parametrize("rank", [1, 2, 3])
 def test_a_gradient_of_rank_r_comes_back_whole_at_rank_r(rank):
     compressor = PowerSGDCompressor(rank)
