@@ -129,9 +129,12 @@ def test_auto_full_snapshots_measure_then_space_the_snapshots_and_resume_bit_for
     chosen = session.listener.full_every
     assert FULL_EVERY_BOUNDS[0] <= chosen <= FULL_EVERY_BOUNDS[1]
     assert f"convoy: checkpoint: a full snapshot every {chosen} checkpoints" in capsys.readouterr().err
-    assert _rank_steps(tmp_path) == {1: 1}, "a rank file was written between full snapshots"
+    # The interval is measured (a loaded machine may choose the lower bound): the rank file holds
+    # the first snapshot's step 1 and, if the interval ended before step 15, the next one only.
+    fulls = [step for step in range(15) if step >= 1 and (step - 1) % chosen == 0]
+    assert set(_rank_steps(tmp_path)) == set(fulls), "a rank file was written between full snapshots"
     state, session = _train_with_checkpoints(tmp_path, until=STEPS, stop=STEPS, every=1, full_every="auto")
-    assert (session.start.step, session.start.replay_to) == (1, 15), session.start
+    assert (session.start.step, session.start.replay_to) == (fulls[-1], 15), session.start
     for key, tensor in trace[STEPS].items():
         assert torch.equal(state[key], tensor), key
 
