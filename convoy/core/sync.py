@@ -49,8 +49,9 @@ class PendingSync(ABC):
     def future(self) -> torch.futures.Future:
         """A torch Future of the averaged flat gradient (what a DDP comm hook returns).
 
-        This default waits first; exchanges backed by a collective override it
-        so the result is computed when the collective completes.
+        It waits first, on the calling thread: a callback chained on the collective's own
+        future would run (and be destroyed) on gloo's worker thread, which can race the
+        interpreter's exit and abort the process.
         """
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(self.wait())

@@ -37,9 +37,6 @@ class _PendingAllReduce(PendingSync):
         self._work.wait()
         return self._average()
 
-    def future(self) -> torch.futures.Future:
-        return self._work.get_future().then(lambda _: self._average())
-
     def _average(self) -> torch.Tensor:
         average, self.support = self._finish()
         return average
