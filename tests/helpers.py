@@ -332,7 +332,7 @@ def kill_when(args: tuple[str, ...] | list[str], checkpoints: Path, files: int, 
         time.sleep(delay_s)
         return launcher.poll() is None
     finally:
-        ranks = psutil.Process(launcher.pid).children(recursive=True)
+        ranks = _stopped_tree(launcher.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
         for rank in ranks:    # also those a launcher started in sessions of their own
@@ -340,3 +340,25 @@ def kill_when(args: tuple[str, ...] | list[str], checkpoints: Path, files: int, 
                 rank.kill()
         launcher.wait(timeout=30)
         psutil.wait_procs(ranks, timeout=30)
+
+
+def _stopped_tree(pid: int) -> list[psutil.Process]:
+    """SIGSTOP ``pid`` and every process below it, until no new one appears; the processes below.
+
+    A stopped process starts no other, so a rank being started at the moment of the kill is
+    found and killed too instead of outliving the job (it sits in a process group of its own).
+    """
+    stopped: dict[int, psutil.Process] = {}
+    while True:
+        try:
+            root = psutil.Process(pid)
+            found = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            found = list(stopped.values())
+        new = [p for p in found if p.pid not in stopped]
+        if not new:
+            return [p for p in stopped.values() if p.pid != pid]
+        for process in new:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(signal.SIGSTOP)
+            stopped[process.pid] = process
