@@ -11,6 +11,7 @@ its run folder's model.pt is compared, every tensor with torch.equal, with the u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import shutil
@@ -65,7 +66,8 @@ def main() -> int:
             time.sleep(0.005)
         time.sleep(delay)
         killed = first.poll() is None
-        os.killpg(first.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):   # the job may have ended (a late draw)
+            os.killpg(first.pid, signal.SIGKILL)
         first.wait()
         resumed = train([*ns.job, "--checkpoint-dir", str(ckpt), "--out", str(out_b)])
         err = resumed.stderr.read()
