@@ -282,6 +282,10 @@ def profile_toml(slow: tuple[int, ...], disk: object = 400) -> str:
     return fast + "".join(f"[ranks.{rank}]\ncpu_mhz = 1200\nuplink_mbps = 50\n" for rank in slow)
 
 
+_FORKED_LAUNCHER = ("import sys; from tests.helpers import convoy_in_process; "
+                    "r = convoy_in_process(*sys.argv[1:]); sys.stderr.write(r.stderr); sys.exit(r.returncode)")
+
+
 def kill_at_checkpoint(args: tuple[str, ...] | list[str], checkpoints: Path, files: int, step: int,
                        delay_s: float, timeout_s: float = 600) -> None:
     """Run ``convoy train *args`` and SIGKILL every process of it ``delay_s`` after its ``files`` model
@@ -291,22 +295,44 @@ def kill_at_checkpoint(args: tuple[str, ...] | list[str], checkpoints: Path, fil
     job before it; ``delay_s`` (a small seeded draw) moves it to a random point of a later step.
     Fails when the job ends, or gets no checkpoint within ``timeout_s``, before the kill.
     """
-    require_timeout("kill_at_checkpoint")
-    launcher = subprocess.Popen([sys.executable, "-m", "convoy", "train", *args], stdout=subprocess.DEVNULL,
+    killed = kill_when(args, checkpoints, files, step, delay_s, timeout_s)
+    assert killed, "the job ended before the kill"
+
+
+def kill_when(args: tuple[str, ...] | list[str], checkpoints: Path, files: int, step: int, delay_s: float,
+              timeout_s: float = 600, forked: bool = False) -> bool:
+    """Run ``convoy train *args`` and SIGKILL its process group and every rank ``delay_s`` after its
+    ``files`` model files in ``checkpoints`` all committed ``step`` or later (``files=0``: ``delay_s``
+    after the start, wherever the job then is); whether the job was still running when killed.
+
+    ``forked``: the launcher process runs :func:`convoy_in_process`, its ranks forked from a fork
+    server that imported torch once (not one interpreter start per rank); still real processes
+    of their own, every one of them killed.
+
+    Example::
+
+        >>> kill_when([*job, "--checkpoint-dir", str(k)], k, files=1, step=3, delay_s=0.05)
+        True
+    """
+    require_timeout("kill_when")
+    command = ["-c", _FORKED_LAUNCHER] if forked else ["-m", "convoy"]
+    launcher = subprocess.Popen([sys.executable, *command, "train", *args], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
-        while True:
+        while files:
             committed = [committed_step(path) for path in checkpoints.glob("model-rank*.ckpt")]
             if len(committed) >= files and min(committed) >= step:
                 break
-            assert launcher.poll() is None, launcher.communicate()[1][-2000:]
+            if launcher.poll() is not None:
+                assert launcher.returncode == 0, launcher.communicate()[1][-2000:]
+                return False
             assert time.monotonic() < deadline, f"no checkpoint of step {step} within {timeout_s} s"
             time.sleep(0.005)
         time.sleep(delay_s)
-        assert launcher.poll() is None, "the job ended before the kill"
+        return launcher.poll() is None
     finally:
-        ranks = psutil.Process(launcher.pid).children(recursive=True)
+        ranks = _stopped_tree(launcher.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
         for rank in ranks:    # also those a launcher started in sessions of their own
@@ -314,3 +340,25 @@ def kill_at_checkpoint(args: tuple[str, ...] | list[str], checkpoints: Path, fil
                 rank.kill()
         launcher.wait(timeout=30)
         psutil.wait_procs(ranks, timeout=30)
+
+
+def _stopped_tree(pid: int) -> list[psutil.Process]:
+    """SIGSTOP ``pid`` and every process below it, until no new one appears; the processes below.
+
+    A stopped process starts no other, so a rank being started at the moment of the kill is
+    found and killed too instead of outliving the job (it sits in a process group of its own).
+    """
+    stopped: dict[int, psutil.Process] = {}
+    while True:
+        try:
+            root = psutil.Process(pid)
+            found = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            found = list(stopped.values())
+        new = [p for p in found if p.pid not in stopped]
+        if not new:
+            return [p for p in stopped.values() if p.pid != pid]
+        for process in new:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(signal.SIGSTOP)
+            stopped[process.pid] = process

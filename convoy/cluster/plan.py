@@ -35,6 +35,9 @@ class ClusterPlan:
     clusters: list[list[int]]
     election: Election
     history: IndicatorHistory = field(default_factory=IndicatorHistory)
+    # Set when the measured split was within the measurements' noise: what it was, and why the
+    # nodes were planned as alike instead (``make_plan``).
+    noise_note: str | None = None
 
     def cluster_of(self, rank: int) -> int:
         return next(index for index, members in enumerate(self.clusters) if rank in members)
@@ -99,8 +102,11 @@ class ClusterPlan:
         gap, (largest - smallest) / largest, against the noise, the largest
         spread of one node's repeated tries of it (0 for values that are not
         timed or come from a file). When no gap exceeds its noise, the split
-        is the noise's, and the nodes are probably alike.
+        is the noise's, and the nodes are probably alike (:func:`make_plan`
+        then plans them as alike, and this says so).
         """
+        if self.noise_note is not None:
+            return self.noise_note
         if len(self.clusters) < 2:
             return None
         worst = None
@@ -134,6 +140,14 @@ def make_plan(profiles: list[NodeProfile], weights: dict[str, float], clusters: 
               seed: int = 0, reelect_every: int = 1, server_choice: str = "random") -> ClusterPlan:
     """Normalise, weight, cluster and set up the election; the same inputs give the same plan.
 
+    When the clusters k-means finds differ by no more than the measurements' own
+    noise (:meth:`ClusterPlan.noise_warning`), the split is the noise's: another
+    run of the same job would measure other noise and split the nodes otherwise,
+    so it would train differently (and an uninterrupted run would not match a
+    resumed one). The nodes are then planned as the alike nodes they are: every
+    weighted vector equal, so ``K`` clusters of consecutive ranks (``auto``: one),
+    the same in every run; the plan's warning says so.
+
     Args:
         profiles: one per rank, in rank order.
         weights: per indicator, >= 0 (see :func:`convoy.cluster.indicators.parse_weights`).
@@ -151,7 +165,16 @@ def make_plan(profiles: list[NodeProfile], weights: dict[str, float], clusters: 
     groups = cluster_vectors(vectors, clusters, seed)
     capability = tuple(float(v) for v in vectors.sum(axis=1))
     election = Election(groups, reelect_every, seed, server_choice, capability)
-    return ClusterPlan(profiles, dict(weights), normalised, groups, election, history)
+    plan = ClusterPlan(profiles, dict(weights), normalised, groups, election, history)
+    noise = plan.noise_warning()
+    if noise is None:
+        return plan
+    alike = np.zeros_like(vectors)
+    groups = cluster_vectors(alike, clusters, seed)
+    election = Election(groups, reelect_every, seed, server_choice, tuple(0.0 for _ in profiles))
+    note = (f"{noise}; planned as alike nodes instead of splitting them by noise (clusters {plan.clusters} "
+            f"measured, {groups} used: the same in every run)")
+    return ClusterPlan(profiles, dict(weights), normalised, groups, election, history, noise_note=note)
 
 
 def plan_job(weights: dict[str, float], clusters: int | str = "auto", seed: int = 0, reelect_every: int = 1,
