@@ -9,9 +9,11 @@ import torch
 from tests.helpers import convoy_in_process
 
 
-# 2 conv workers read 128 samples each: 5 steps an epoch, so 12 steps cross two epochs.
+# 2 conv workers read 128 samples each: 5 steps an epoch, so 12 steps cross two epochs. fp16 without
+# momentum correction keeps the momentum in the layers' optimizers, whose export is checked below.
 JOB = ("--parallel", "hybrid", "--conv-workers", "2", "--fc-workers", "1", "--nproc", "3",
-       "--batch-size", "128", "--lr-schedule", "constant", "--compress", "fp16", "--no-progress")
+       "--batch-size", "128", "--lr-schedule", "constant", "--compress", "fp16", "--no-momentum-correction",
+       "--no-progress")
 
 
 @pytest.fixture(scope="module")
