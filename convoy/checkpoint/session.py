@@ -18,7 +18,7 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 from torch import nn
@@ -155,6 +155,16 @@ def _remote_writers(writer: int, writers: list[int]) -> dict[str, Any]:
     return {"remote_writers": remote, "peer_store": dist.distributed_c10d._get_default_store()}
 
 
+class _Holding(NamedTuple):
+    """What one rank's files hold, gathered on every rank to agree where the job resumes."""
+
+    found: bool                    # any committed area at all
+    steps: list[int]               # steps its model and rank files can both restore
+    replayable: list[int]          # steps reached by replaying a snapshot's log
+    writer: int                    # the rank that writes its model file
+    first_commit_only: bool        # every committed area is its file's first commit
+
+
 def _gather(value: Any, world: int) -> list[Any]:
     if world == 1:
         return [value]
@@ -194,20 +204,16 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
     steps = sorted(set(points) & set(rank_steps))
     # With replay a rank's file need only hold the snapshot a log record extends.
     replayable = sorted(t for t, p in points.items() if replay and p.updates and p.report.record.step in rank_steps)
-    # Files whose areas are all empty (killed before the first commit) are no checkpoint;
-    # any committed area, of the model file or of a rank's own file, is the user's data.
-    found = any(not r.empty for r in (model_reports or []) + (rank_reports or []))
-    everyone = _gather((found, steps, replayable, writer), world)
+    # Files whose areas are empty, or hold only a first checkpoint some other file lacks, are no
+    # checkpoint; any other committed area, of the model file or a rank's file, is the user's data.
+    reports = (model_reports or []) + (rank_reports or [])
+    mine = _Holding(found=any(not r.empty for r in reports), steps=steps, replayable=replayable, writer=writer,
+                    first_commit_only=all(r.empty or (r.valid and r.record.generation == 1) for r in reports))
+    everyone: list[_Holding] = _gather(mine, world)
     start = ResumePoint()
-    if any(found for found, _, _, _ in everyone):
-        common = set.intersection(*(set(s) for _, s, _, _ in everyone))
-        common_replay = set.intersection(*(set(r) for _, _, r, _ in everyone))
-        if not common and not common_replay:
-            described = "; ".join([f"{p.name}: {r.describe()}" for p, reports in ((mpath, model_reports),
-                                   (rpath, rank_reports)) for r in reports or []]
-                                  + [f"{p.name} is missing" for p in (mpath, rpath) if not p.exists()])
-            raise UsageError(f"no usable checkpoint in {directory}: {described or 'another rank lacks it'}; nothing "
-                             "was overwritten (move the directory away, or pass --no-resume to start over)")
+    common = set.intersection(*(set(held.steps) for held in everyone))
+    common_replay = set.intersection(*(set(held.replayable) for held in everyone))
+    if common or common_replay:
         if max(common_replay, default=-1) > max(common, default=-1):
             start = _restore_for_replay(points[max(common_replay)], model_reports, rank_reports, mpath, rpath,
                                         model, engine)
@@ -215,7 +221,19 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
             start = _restore(points[max(common)], model_reports, rank_reports, mpath, rpath, model, engine,
                              optimizer_class, optimizer_kwargs, steps_per_epoch)
     elif settings.resume:
-        raise UsageError(f"--resume: {directory} holds no checkpoint")
+        raise UsageError(f"--resume: {directory} holds no checkpoint every rank committed")
+    elif all(held.first_commit_only for held in everyone):
+        # Empty, or killed while its first checkpoint was being written: some files hold it, some
+        # never will, so no step can be restored and starting over loses nothing that could be.
+        if rank == 0 and any(held.found for held in everyone):
+            print(f"convoy: checkpoint: {directory}: the job was stopped before every rank had committed "
+                  "its first checkpoint; starting from step 0", file=sys.stderr, flush=True)
+    else:
+        described = "; ".join([f"{p.name}: {r.describe()}" for p, reports in ((mpath, model_reports),
+                               (rpath, rank_reports)) for r in reports or []]
+                              + [f"{p.name} is missing" for p in (mpath, rpath) if not p.exists()])
+        raise UsageError(f"no usable checkpoint in {directory}: {described or 'another rank lacks it'}; nothing "
+                         "was overwritten (move the directory away, or pass --no-resume to start over)")
     need = AREAS * _rank_file_bytes(model, engine.sync) * (len(peers) if rank == writer else 1)
     if rank == writer:
         need += AREAS * layout.area_size()
@@ -227,8 +245,8 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
     listener = CheckpointListener(directory, model, engine, every=settings.every, last_step=total_steps - 1,
                                   steps_per_epoch=steps_per_epoch, rank=rank, writer_rank=writer,
                                   local_ranks=peers, model_store=model_store, full_names=full_names,
-                                  other_writers=_other_writers_here(writer, [w for _, _, _, w in everyone]),
-                                  **_remote_writers(writer, [w for _, _, _, w in everyone]),
+                                  other_writers=_other_writers_here(writer, [held.writer for held in everyone]),
+                                  **_remote_writers(writer, [held.writer for held in everyone]),
                                   model_generation=model_gen, rank_generation=rank_gen, rank_store=rank_store,
                                   peer_timeout_s=settings.timeout_s, budget=settings.budget,
                                   full_every=settings.full_every if differential_ok(engine.sync) else 0,
