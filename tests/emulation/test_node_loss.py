@@ -1,0 +1,83 @@
+"""An elastic torchrun job (``--nnodes 1:2``) on two emulated hosts loses one: the other finishes it.
+
+Host 1 dies mid-run (its worker SIGKILLs its agent and its own process group,
+as a power cut would end both). The survivor's worker fails its next
+collective, its agent re-forms the job as one node, and convoy resumes the
+shared checkpoint directory on one worker: the global batch kept, the per-rank
+state of both workers re-dealt, one line saying what was lost.
+"""
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from convoy.emulation import EmulatedCluster, Topology
+from tests.emulation.agents import convoy_lines, needs_namespaces, torchrun_agents
+
+pytestmark = needs_namespaces
+
+STEPS = 16   # 4 steps an epoch on digits with a global batch of 384
+JOB = ("--model", "dying:factory", "--batch-size", "192", "--lr-schedule", "constant", "--compress", "blocktopk",
+       "--block-fraction", "0.05", "--no-progress", "--eval-every", "0", "--steps", str(STEPS),
+       "--checkpoint-every", "2", "--timeout", "20")
+
+# LeNet plus a forward hook that takes host 1 down (its agent, then its worker) at its ninth step, once.
+DYING_MODEL = """
+import os, signal
+from pathlib import Path
+from convoy.models.lenet import lenet
+
+def factory():
+    model = lenet()
+    calls = [0]
+
+    def hook(module, args):
+        calls[0] += 1
+        marker = Path(os.environ["DEATH_MARKER"])
+        if os.environ["GROUP_RANK"] == "1" and calls[0] == 9 and not marker.exists():
+            marker.touch()
+            os.kill(os.getppid(), signal.SIGKILL)   # the agent
+            os.killpg(0, signal.SIGKILL)            # the worker's own session
+
+    model.register_forward_pre_hook(hook)
+    return model
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_host_leaves_the_other_to_finish_from_the_last_checkpoint(tmp_path):
+    (tmp_path / "dying.py").write_text(textwrap.dedent(DYING_MODEL))
+    checkpoints, out, marker = tmp_path / "ckpt", tmp_path / "run", tmp_path / "died"
+    began = time.monotonic()
+    with EmulatedCluster(Topology(hosts=2, host_rate=1e9)) as hosts:
+        # Both hosts see one checkpoint directory (a shared file system): the survivor needs the
+        # lost worker's rank file to keep its error-feedback residuals.
+        agents = torchrun_agents(
+            hosts, tmp_path, "elastic", ["-m", "convoy", "train", *JOB, "--checkpoint-dir", str(checkpoints),
+                                         "--out", str(out)],
+            nnodes="1:2", agent=("--max-restarts", "3"), env={"DEATH_MARKER": str(marker)},
+            # A lost node is noticed after 2 missed heartbeats of 1 s; a round waits 2 s for late nodes.
+            rdzv_conf="keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=2", timeout_s=240)
+    took = time.monotonic() - began
+    said = convoy_lines(agents)
+    assert marker.exists(), said
+    assert agents[1].returncode != 0
+    assert agents[0].returncode == 0, said + agents[0].stderr[-3000:]
+    print(f"took {took:.1f} s\n{said}")
+    Path("/tmp/nnodes-agent0.txt").write_text(agents[0].stderr)
+    # One line says what was lost and the new shape; the job resumed from the step it names.
+    redealt = [line for line in said.splitlines() if "was written by 2 workers; resuming on 1" in line]
+    assert len(redealt) == 1 and "global batch 384 kept (384 per worker)" in redealt[0], said
+    step = int(redealt[0].split("re-dealt at step ")[1].split()[0])
+    assert f"resumed from {checkpoints} at step {step} " in said
+    # The directory again describes one job, of one worker: no copy of the lost node's model file is left.
+    assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["model-rank0.ckpt", "state-rank0.ckpt"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == STEPS
+    model = torch.load(out / "model.pt")["model"]
+    assert all(torch.isfinite(value).all() for value in model.values())
