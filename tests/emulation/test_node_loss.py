@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -69,7 +68,9 @@ def test_a_lost_host_leaves_the_other_to_finish_from_the_last_checkpoint(tmp_pat
     assert agents[1].returncode != 0
     assert agents[0].returncode == 0, said + agents[0].stderr[-3000:]
     print(f"took {took:.1f} s\n{said}")
-    Path("/tmp/nnodes-agent0.txt").write_text(agents[0].stderr)
+    # The survivor's worker that lost its peer said so in one line (no traceback), as the lost peer is no bug.
+    assert "Traceback" not in agents[0].stderr, agents[0].stderr[-3000:]
+    assert "Connection closed by peer" in said or "Connection reset by peer" in said, said
     # One line says what was lost and the new shape; the job resumed from the step it names.
     redealt = [line for line in said.splitlines() if "was written by 2 workers; resuming on 1" in line]
     assert len(redealt) == 1 and "global batch 384 kept (384 per worker)" in redealt[0], said
