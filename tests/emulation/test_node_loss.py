@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from convoy.checkpoint.reshard import STAGING
 from convoy.emulation import EmulatedCluster, Topology
 from tests.emulation.agents import convoy_lines, needs_namespaces, torchrun_agents
 
@@ -78,6 +79,7 @@ def test_a_lost_host_leaves_the_other_to_finish_from_the_last_checkpoint(tmp_pat
     assert f"resumed from {checkpoints} at step {step} " in said
     # The directory again describes one job, of one worker: no copy of the lost node's model file is left.
     assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["model-rank0.ckpt", "state-rank0.ckpt"]
+    assert not (checkpoints / STAGING).exists()   # the new world committed a step: the old files are gone
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == STEPS
     model = torch.load(out / "model.pt")["model"]
