@@ -116,7 +116,8 @@ def _adapt(config: TrainConfig, model: nn.Module, world: int, writers: list[int]
         _check_copies(directory, model, config, world, keep)
     deal = reshard(directory, job.world, world, writers)
     batch = global_batch // (world * accum)
-    note = (f"convoy: checkpoint: {directory} was written by {job.world} workers; resuming on {world}: global batch "
+    workers = f"{job.world} worker{'s' if job.world > 1 else ''}"
+    note = (f"convoy: checkpoint: {directory} was written by {workers}; resuming on {world}: global batch "
             f"{global_batch} kept ({batch} per worker{' per micro-batch' if accum > 1 else ''}), per-rank state "
             f"re-dealt at step {deal.step}")
     if deal.retrained:

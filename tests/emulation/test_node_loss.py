@@ -1,4 +1,5 @@
-"""An elastic torchrun job (``--nnodes 1:2``) on two emulated hosts loses one: the other finishes it.
+"""An elastic torchrun job (``--nnodes 1:2``) on two emulated hosts: it loses one and the other
+finishes it; a host that joins later grows it back.
 
 Host 1 dies mid-run (its worker SIGKILLs its agent and its own process group,
 as a power cut would end both). The survivor's worker fails its next
@@ -17,7 +18,8 @@ import torch
 
 from convoy.checkpoint.reshard import STAGING
 from convoy.emulation import EmulatedCluster, Topology
-from tests.emulation.agents import convoy_lines, needs_namespaces, torchrun_agents
+from tests.emulation.agents import (convoy_lines, finish_agents, kill_agent, needs_namespaces, start_agent,
+                                    torchrun_agents)
 
 pytestmark = needs_namespaces
 
@@ -86,3 +88,66 @@ def test_a_lost_host_leaves_the_other_to_finish_from_the_last_checkpoint(tmp_pat
     assert summary["steps"] == STEPS
     model = torch.load(out / "model.pt")["model"]
     assert all(torch.isfinite(value).all() for value in model.values())
+
+
+# LeNet that, while the job is one worker, waits at its fifth step until the second host's agent was
+# started, then takes 0.5 s a step: that agent joins while there is training left to do.
+SLOW_ALONE_MODEL = """
+import os, time
+from pathlib import Path
+from convoy.models.lenet import lenet
+
+def factory():
+    model = lenet()
+    calls = [0]
+
+    def hook(module, args):
+        calls[0] += 1
+        if os.environ["WORLD_SIZE"] == "1" and calls[0] >= 5:
+            deadline = time.monotonic() + 120
+            while not Path(os.environ["JOINED_MARKER"]).exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(0.5)
+
+    model.register_forward_pre_hook(hook)
+    return model
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_host_that_joins_grows_the_job_at_the_next_restart(tmp_path):
+    (tmp_path / "slow.py").write_text(textwrap.dedent(SLOW_ALONE_MODEL))
+    checkpoints, out, joined = tmp_path / "ckpt", tmp_path / "run", tmp_path / "joined"
+    job = [a.replace("dying:factory", "slow:factory") for a in JOB]
+    entry = ["-m", "convoy", "train", *job, "--checkpoint-dir", str(checkpoints), "--out", str(out)]
+    # torch 2.13's shared rendezvous store publishes the workers' store address in the first round
+    # only, so a node joining a later round waits for it in vain (DynamicRendezvousHandler keeps
+    # _bootstrap_store_info): without the sharing, rank 0's agent publishes it every round.
+    options = dict(nnodes="1:2", agent=("--max-restarts", "3"), rdzv_conf="last_call_timeout=2",
+                   env={"JOINED_MARKER": str(joined), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    began = time.monotonic()
+    with EmulatedCluster(Topology(hosts=2, host_rate=1e9)) as hosts:
+        agents = [start_agent(hosts, 0, tmp_path, "growing", entry, **options)]
+        try:
+            while not (checkpoints / "model-rank0.ckpt").exists():   # the job of one has begun
+                assert agents[0].poll() is None and time.monotonic() - began < 120, agents[0].communicate()
+                time.sleep(0.1)
+            agents.append(start_agent(hosts, 1, tmp_path, "growing", entry, **options))
+            joined.touch()
+        except BaseException:
+            for agent in agents:
+                kill_agent(agent)
+            raise
+        agents = finish_agents(agents, 240)
+    took = time.monotonic() - began
+    said = convoy_lines(agents)
+    print(f"took {took:.1f} s\n{said}")
+    assert [a.returncode for a in agents] == [0, 0], said
+    # The job of one stopped in order for the restart, and went on as two with its global batch.
+    assert "convoy: stopped by SIGTERM to rank 0" in said, said
+    grown = [line for line in said.splitlines() if "was written by 1 worker; resuming on 2" in line]
+    assert len(grown) == 1 and "global batch 192 kept (96 per worker)" in grown[0], said
+    assert json.loads((out / "summary.json").read_text())["steps"] == STEPS
+    # Each node's writer keeps a model file again; the copy rank 1's writer resumed from was rank 0's.
+    assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == \
+        ["model-rank0.ckpt", "model-rank1.ckpt", "state-rank0.ckpt", "state-rank1.ckpt"]
