@@ -90,24 +90,30 @@ def test_a_lost_host_leaves_the_other_to_finish_from_the_last_checkpoint(tmp_pat
     assert all(torch.isfinite(value).all() for value in model.values())
 
 
-# LeNet that, while the job is one worker, waits at its fifth step until the second host's agent was
-# started, then takes 0.5 s a step: that agent joins while there is training left to do.
+# LeNet that, while the job is one worker, waits at its fifth step until its agent stops it for the
+# restart (convoy's own SIGTERM handler then runs as well): the job of one cannot end before the
+# second host has joined, however long that host takes to start.
 SLOW_ALONE_MODEL = """
-import os, time
-from pathlib import Path
+import os, signal, time
 from convoy.models.lenet import lenet
 
 def factory():
     model = lenet()
-    calls = [0]
+    calls, stopped = [0], []
 
     def hook(module, args):
         calls[0] += 1
-        if os.environ["WORLD_SIZE"] == "1" and calls[0] >= 5:
+        if os.environ["WORLD_SIZE"] == "1" and calls[0] == 5:
+            convoy_handler = signal.getsignal(signal.SIGTERM)
+
+            def note(signum, frame):
+                stopped.append(signum)
+                convoy_handler(signum, frame)
+
+            signal.signal(signal.SIGTERM, note)
             deadline = time.monotonic() + 120
-            while not Path(os.environ["JOINED_MARKER"]).exists() and time.monotonic() < deadline:
+            while not stopped and time.monotonic() < deadline:
                 time.sleep(0.1)
-            time.sleep(0.5)
 
     model.register_forward_pre_hook(hook)
     return model
@@ -117,14 +123,14 @@ def factory():
 @pytest.mark.timeout(300)
 def test_a_host_that_joins_grows_the_job_at_the_next_restart(tmp_path):
     (tmp_path / "slow.py").write_text(textwrap.dedent(SLOW_ALONE_MODEL))
-    checkpoints, out, joined = tmp_path / "ckpt", tmp_path / "run", tmp_path / "joined"
+    checkpoints, out = tmp_path / "ckpt", tmp_path / "run"
     job = [a.replace("dying:factory", "slow:factory") for a in JOB]
     entry = ["-m", "convoy", "train", *job, "--checkpoint-dir", str(checkpoints), "--out", str(out)]
     # torch 2.13's shared rendezvous store publishes the workers' store address in the first round
     # only, so a node joining a later round waits for it in vain (DynamicRendezvousHandler keeps
     # _bootstrap_store_info): without the sharing, rank 0's agent publishes it every round.
     options = dict(nnodes="1:2", agent=("--max-restarts", "3"), rdzv_conf="last_call_timeout=2",
-                   env={"JOINED_MARKER": str(joined), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+                   env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     began = time.monotonic()
     with EmulatedCluster(Topology(hosts=2, host_rate=1e9)) as hosts:
         agents = [start_agent(hosts, 0, tmp_path, "growing", entry, **options)]
@@ -133,7 +139,6 @@ def test_a_host_that_joins_grows_the_job_at_the_next_restart(tmp_path):
                 assert agents[0].poll() is None and time.monotonic() - began < 120, agents[0].communicate()
                 time.sleep(0.1)
             agents.append(start_agent(hosts, 1, tmp_path, "growing", entry, **options))
-            joined.touch()
         except BaseException:
             for agent in agents:
                 kill_agent(agent)
