@@ -296,10 +296,13 @@ def plan_deal(directory: Path, old_world: int, world: int) -> Deal:
                 report.record.step)
 
 
-def reshard(directory: Path, old_world: int, world: int) -> Deal:
+def reshard(directory: Path, old_world: int, world: int, writers: list[int] | tuple[int, ...] = (0,)) -> Deal:
     """Re-deal the rank files of ``old_world`` workers in ``directory`` to ``world`` and put
     the new ones in place (crash-safe: see the module's text). Run by one process while the
     others wait.
+
+    ``writers``: the ranks of the new world that keep a model file here (each node's first,
+    when several nodes share the directory); each gets a copy of rank 0's.
 
     Raises:
         UsageError: as :func:`plan_deal`; nothing is changed then.
@@ -315,7 +318,8 @@ def reshard(directory: Path, old_world: int, world: int) -> Deal:
         _write_rank_file(staging / rank_file(directory, rank).name, state, rank, world, record)
     sync_folder(staging)
     plan = {"from": old_world, "to": world, "step": deal.step, "model_area": deal.model_area,
-            "model_generation": deal.model_generation, "model_base": deal.model_base}
+            "model_generation": deal.model_generation, "model_base": deal.model_base,
+            "writers": sorted(set(writers) - {0})}
     tmp = staging / (PLAN + ".tmp")
     with open(tmp, "w") as f:
         json.dump(plan, f)
@@ -364,8 +368,20 @@ def complete(directory: Path) -> bool:
         path, new = rank_file(directory, rank), staging / rank_file(directory, rank).name
         if path.exists() and (rank >= world or new.exists()):
             os.replace(path, old / path.name)
+    # The other nodes' model files (a directory several nodes share) are copies of rank 0's, of
+    # the old world's steps: they go too, and each writer of the new world gets rank 0's, log cut.
+    for path in _model_copies(directory):
+        os.replace(path, old / path.name)
     sync_folder(old)
     faults.halfway("reshard", 1)   # a crash test's kill point: the old files out, the new ones not in
+    source = model_file(directory, 0)
+    for writer in plan.get("writers", []):
+        for path in [source, *sorted(directory.glob(source.name + ".diff*"))]:
+            copy = staging / (model_file(directory, writer).name + path.name[len(source.name):])
+            shutil.copyfile(path, copy)
+            with open(copy, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(copy, directory / copy.name)
     for rank in range(world):
         new = staging / rank_file(directory, rank).name
         if new.exists():
@@ -374,6 +390,12 @@ def complete(directory: Path) -> bool:
     (staging / DONE).touch()
     sync_folder(staging)
     return True
+
+
+def _model_copies(directory: Path) -> list[Path]:
+    """The model files (and their logs) of writers other than rank 0."""
+    own = model_file(directory, 0).name
+    return sorted(p for p in directory.glob("model-rank*.ckpt*") if not p.name.startswith(own))
 
 
 def cleanup(directory: Path) -> None:

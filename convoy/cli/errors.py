@@ -42,11 +42,26 @@ def _summary(exc: BaseException, rank: int) -> str:
         else f"{type(exc).__name__}: {exc}"
 
 
+# What gloo says when a peer's process or machine is gone mid-collective (a worker of
+# ``torchrun --nnodes MIN:MAX`` then fails, and its agent re-forms the job on the survivors).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """True when ``exc`` (or an error it was raised from) is gloo losing a peer: not a bug, no traceback."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if any(text in str(seen) for text in _PEER_GONE):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def report_failure(exc: BaseException, rank: int) -> int:
     """Describe ``exc`` once, where the launcher (or a torchrun user) will look; return the exit code."""
     code = exit_code(exc)
     # The user's input, the run's numbers, a setting of the network or a stop signal, not a bug: no traceback.
-    expected = code in (2, DIVERGED_EXIT) or is_stop(code) or isinstance(exc, StartupFailed)
+    expected = code in (2, DIVERGED_EXIT) or is_stop(code) or isinstance(exc, StartupFailed) or peer_lost(exc)
     summary = one_line(_summary(exc, rank))
     details = "" if expected else "".join(traceback.format_exception(exc))
     path = os.environ.get(ERROR_FILE_ENV)

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -45,9 +46,10 @@ def adapt_to_checkpoint(config: TrainConfig, model: nn.Module, ctx: runtime.Cont
     if config.checkpoint.dir is None:
         return config
     outcome: list = [None]
+    writers = _node_writers(ctx)
     if ctx.rank == 0:
         try:
-            outcome = [_adapt(config, model, ctx.world_size)]
+            outcome = [_adapt(config, model, ctx.world_size, writers)]
         except UsageError as exc:
             outcome = [("refused", str(exc))]
     if dist.is_initialized() and ctx.world_size > 1:
@@ -70,7 +72,17 @@ def finish_resharding(config: TrainConfig, rank: int) -> None:
         cleanup(Path(config.checkpoint.dir))
 
 
-def _adapt(config: TrainConfig, model: nn.Module, world: int) -> tuple[str, object] | None:
+def _node_writers(ctx: runtime.Context) -> list[int]:
+    """The ranks that write a model file in this world: each node's first (local rank 0). A collective."""
+    mine = ctx.rank - int(os.environ.get("LOCAL_RANK", ctx.rank))
+    if not (dist.is_initialized() and ctx.world_size > 1):
+        return [mine]
+    everyone: list = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    return sorted(set(everyone))
+
+
+def _adapt(config: TrainConfig, model: nn.Module, world: int, writers: list[int]) -> tuple[str, object] | None:
     directory = Path(config.checkpoint.dir)
     if not directory.is_dir():
         return None
@@ -90,7 +102,7 @@ def _adapt(config: TrainConfig, model: nn.Module, world: int) -> tuple[str, obje
     accum = config.optim.grad_accum
     global_batch = job.global_batch or config.data.batch_size * accum * job.world
     keep = f"run on {job.world} workers, or pass --no-resume to start over"
-    if config.sync.strategy != "allreduce" or config.parallel.layout != "data" or job.model_files != 1:
+    if config.sync.strategy != "allreduce" or config.parallel.layout != "data":
         raise UsageError(f"--checkpoint-dir {directory} holds a checkpoint of {job.world} workers; only "
                          f"--sync allreduce with --parallel data resumes on another number ({world}): {keep}")
     if global_batch % (world * accum):
@@ -98,9 +110,14 @@ def _adapt(config: TrainConfig, model: nn.Module, world: int) -> tuple[str, obje
         raise UsageError(f"--checkpoint-dir {directory}: the checkpoint's global batch of {global_batch} does not "
                          f"divide over {world} workers{per}; {keep}")
     _check_model(directory, model, config)
-    deal = reshard(directory, job.world, world)
+    if job.model_files > 1:
+        # Several nodes shared the directory (torchrun on several hosts): each node's writer kept a
+        # model file; in a data-parallel job they are copies of one model, or this is no such job.
+        _check_copies(directory, model, config, world, keep)
+    deal = reshard(directory, job.world, world, writers)
     batch = global_batch // (world * accum)
-    note = (f"convoy: checkpoint: {directory} was written by {job.world} workers; resuming on {world}: global batch "
+    workers = f"{job.world} worker{'s' if job.world > 1 else ''}"
+    note = (f"convoy: checkpoint: {directory} was written by {workers}; resuming on {world}: global batch "
             f"{global_batch} kept ({batch} per worker{' per micro-batch' if accum > 1 else ''}), per-rank state "
             f"re-dealt at step {deal.step}")
     if deal.retrained:
@@ -112,12 +129,24 @@ def _adapt(config: TrainConfig, model: nn.Module, world: int) -> tuple[str, obje
     return "resharded", (batch, note)
 
 
-def _check_model(directory: Path, model: nn.Module, config: TrainConfig) -> None:
-    """UsageError when the checkpoint is of another model (the resume would refuse it too,
-    but only after the rank files were re-dealt)."""
+def _check_copies(directory: Path, model: nn.Module, config: TrainConfig, world: int, keep: str) -> None:
+    """UsageError unless every model file in ``directory`` holds the whole model (copies kept by
+    the nodes of one data-parallel job, not the layer groups of a hybrid or pipeline one)."""
+    for path in sorted(directory.glob("model-rank*.ckpt")):
+        try:
+            _check_model(directory, model, config, path)
+        except UsageError:
+            raise UsageError(f"--checkpoint-dir {directory}: {path.name} does not hold the whole model (its "
+                             f"model files are parts of one, not a data-parallel job's copies), so it cannot "
+                             f"resume on another number of workers ({world}): {keep}") from None
+
+
+def _check_model(directory: Path, model: nn.Module, config: TrainConfig, path: Path | None = None) -> None:
+    """UsageError when the checkpoint (its model file ``path``, by default rank 0's) is of another
+    model (the resume would refuse it too, but only after the rank files were re-dealt)."""
     optimizer_class, hyper = optimizer_spec(config)
     layout = model_layout(model, optimizer_class, hyper)
-    path = model_file(directory, 0)
+    path = path or model_file(directory, 0)
     try:
         store = Store.open(path)
     except (OSError, FormatError) as exc:

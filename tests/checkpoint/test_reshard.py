@@ -219,3 +219,23 @@ def test_a_kill_during_the_re_deal_leaves_a_directory_that_resumes_to_the_same_s
     assert sorted(rank_files(directory)) == [0, 1, 2]
     for mine, theirs in zip(_sync_state(directory, 3, 30), _sync_state(reference, 3, 30)):
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+@pytest.mark.timeout(600)
+def test_the_nodes_copies_of_the_model_file_follow_the_new_world(sparse_checkpoint, tmp_path):
+    """A directory two nodes share (torchrun, 2 workers a node): writers 0 and 2 each kept the model."""
+    checkpoint, _ = sparse_checkpoint
+    directory = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, directory)
+    models = sorted(p.name for p in directory.glob("model-rank0.ckpt*"))
+    for name in models:
+        shutil.copyfile(directory / name, directory / name.replace("rank0", "rank2"))
+    # Down to one node: the other node's copy goes aside with the old rank files.
+    reshard(directory, 4, 2, writers=[0])
+    assert sorted(p.name for p in directory.glob("model-rank*")) == models
+    assert (directory / STAGING / "old" / "model-rank2.ckpt").exists()
+    # Back to two nodes: the new node's writer gets rank 0's model file and its log, byte for byte.
+    reshard(directory, 2, 4, writers=[0, 2])
+    for name in models:
+        copy = directory / name.replace("rank0", "rank2")
+        assert copy.read_bytes() == (directory / name).read_bytes(), name

@@ -6,11 +6,7 @@ other cannot reach fails within --timeout with one line naming what to set.
 """
 from __future__ import annotations
 
-import os
-import shutil
-import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -18,16 +14,14 @@ import pytest
 import torch
 
 from convoy.emulation import EmulatedCluster, Topology
-from tests.helpers import convoy_in_process, importable, require_timeout
+from tests.emulation.agents import convoy_lines as _convoy_lines, needs_namespaces, torchrun_agents
+from tests.helpers import convoy_in_process, importable
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None
-                                or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0,
-                                reason="two emulated hosts need root and `ip netns` (iproute2)")
+pytestmark = needs_namespaces
 
 # 5 steps an epoch on digits with 2 workers: 12 steps cross two epoch boundaries.
 JOB = ("--batch-size", "128", "--lr-schedule", "constant", "--compress", "fp16", "--no-progress",
        "--eval-every", "0", "--steps", "12", "--model", "crashing:factory")
-RDZV_PORT = 29400   # in the first host's namespace: its own port space
 AGENT_TIMEOUT_S = 150
 
 # LeNet plus a forward hook that SIGKILLs rank 1 at its sixth step, once (unless the marker exists).
@@ -74,40 +68,9 @@ def reference(tmp_path_factory):
 def _torchrun(hosts: EmulatedCluster, tmp: Path, marker: Path, out: Path, extra: tuple[str, ...] = (),
               gloo_interface: str | None = "eth0", agent: tuple[str, ...] = ()) -> list[subprocess.CompletedProcess]:
     """One torchrun agent per host, c10d rendezvous on the first; their exit statuses and output."""
-    require_timeout("starts torchrun agents")
-    first = hosts.topology.address(0)
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("GLOO_SOCKET_IFNAME", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}
-    env.update(importable(tmp), CRASH_MARKER=str(marker), TORCH_CPP_LOG_LEVEL="ERROR")
-    if gloo_interface:
-        env["GLOO_SOCKET_IFNAME"] = gloo_interface
-    agents = []
-    for host in range(2):
-        argv = [*hosts.exec_prefix(host), sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{first}:{RDZV_PORT}",
-                "--rdzv-id", out.name, "--local-addr", hosts.topology.address(host), *agent,
-                # The first host serves the rendezvous: torchrun guesses so only from the machine's host name.
-                "--rdzv-conf", f"is_host={int(host == 0)}",
-                "-m", "convoy", "train", *JOB, *extra, "--out", str(out)]
-        agents.append(subprocess.Popen(argv, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True, start_new_session=True))
-    done = []
-    try:
-        for agent_process in agents:
-            stdout, stderr = agent_process.communicate(timeout=AGENT_TIMEOUT_S)
-            done.append(subprocess.CompletedProcess(agent_process.args, agent_process.returncode, stdout, stderr))
-    finally:
-        for agent_process in agents:   # a failed test leaves no agent or worker behind
-            if agent_process.poll() is None:
-                os.killpg(agent_process.pid, signal.SIGKILL)
-                agent_process.wait()
-    return done
-
-
-def _convoy_lines(agents: list[subprocess.CompletedProcess]) -> str:
-    """What convoy's workers said on each host (torchrun's own reports are long and say less)."""
-    return "\n".join(f"host {host}: {line}" for host, agent in enumerate(agents)
-                     for line in agent.stderr.splitlines() if line.startswith("convoy"))
+    return torchrun_agents(hosts, tmp, out.name, ["-m", "convoy", "train", *JOB, *extra, "--out", str(out)],
+                           agent=agent, env={"CRASH_MARKER": str(marker)}, gloo_interface=gloo_interface,
+                           timeout_s=AGENT_TIMEOUT_S)
 
 
 def _same_models(a: Path, b: Path) -> None:
