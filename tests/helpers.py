@@ -362,3 +362,45 @@ def _stopped_tree(pid: int) -> list[psutil.Process]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.send_signal(signal.SIGSTOP)
             stopped[process.pid] = process
+
+
+def dying_model(call: int, rank_variable: str = "RANK", kill: str = "os.kill(os.getpid(), signal.SIGKILL)",
+                marker_variable: str = "CRASH_MARKER") -> str:
+    """Source of a module whose ``factory()`` is LeNet plus a forward pre-hook that runs ``kill`` at
+    its ``call``-th forward on the process whose ``rank_variable`` is 1, once: the file the variable
+    ``marker_variable`` names marks it done, so a restarted process trains on like the model."""
+    return f"""
+import os, signal
+from pathlib import Path
+from convoy.models.lenet import lenet
+
+def factory():
+    model = lenet()
+    calls = [0]
+
+    def hook(module, args):
+        calls[0] += 1
+        marker = Path(os.environ["{marker_variable}"])
+        if os.environ["{rank_variable}"] == "1" and calls[0] == {call} and not marker.exists():
+            marker.touch()
+            {kill}
+
+    model.register_forward_pre_hook(hook)
+    return model
+"""
+
+
+def same_saved_models(a: Path, b: Path) -> None:
+    """The run folders ``a`` and ``b`` saved the same model.pt: every parameter and every tensor of
+    every layer optimizer's state (momentum buffers, where the optimizers keep the momentum) equal."""
+    x, y = torch.load(a / "model.pt"), torch.load(b / "model.pt")
+    assert x["model"].keys() == y["model"].keys()
+    for key in x["model"]:
+        assert torch.equal(x["model"][key], y["model"][key]), key
+    assert len(x["optimizers"]) == len(y["optimizers"])
+    for layer, (p, q) in enumerate(zip(x["optimizers"], y["optimizers"])):
+        assert p["state"].keys() == q["state"].keys(), layer
+        for index, state in p["state"].items():
+            for name, value in state.items():
+                if torch.is_tensor(value):
+                    assert torch.equal(value, q["state"][index][name]), f"layer {layer}: {name}"

@@ -11,21 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import CLI_TIMEOUT_S, convoy, convoy_in_process, importable, one_line_error
+from tests.helpers import (CLI_TIMEOUT_S, convoy, convoy_in_process, dying_model, importable, one_line_error,
+                           same_saved_models)
 
 # 5 steps an epoch on digits with 2 workers: 12 steps cross two epoch boundaries. Without momentum
-# correction fp16 keeps the momentum in the optimizers, which _same_models compares too.
+# correction fp16 keeps the momentum in the optimizers, which same_saved_models compares too.
 JOB = ("--nproc", "2", "--batch-size", "128", "--lr-schedule", "constant", "--compress", "fp16",
        "--no-momentum-correction", "--no-progress", "--eval-every", "0")
-
-
-def _same_models(a: Path, b: Path) -> None:
-    x, y = torch.load(a / "model.pt"), torch.load(b / "model.pt")
-    for key in x["model"]:
-        assert torch.equal(x["model"][key], y["model"][key]), key
-    for p, q in zip(x["optimizers"], y["optimizers"]):
-        for index in p["state"]:
-            assert torch.equal(p["state"][index]["momentum_buffer"], q["state"][index]["momentum_buffer"])
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +42,7 @@ def _train(job: tuple[str, ...], steps: int, out: Path, checkpoints: Path | None
 def test_two_workers_resume_bit_identically_across_epochs_with_compression_residuals(resumed_run):
     tmp, second = resumed_run
     assert "resumed from" in second.stderr and "at step 7 (epoch 1, batch 2)" in second.stderr
-    _same_models(tmp / "whole", tmp / "b")
+    same_saved_models(tmp / "whole", tmp / "b")
 
 
 @pytest.mark.timeout(600)
@@ -111,7 +103,7 @@ def test_a_job_stopped_before_every_rank_committed_its_first_checkpoint_starts_o
     (tmp_path / "ckpt" / "model-rank0.ckpt").unlink()
     done = _train(job, 12, tmp_path / "b", tmp_path / "ckpt")
     assert "before every rank had committed its first checkpoint; starting from step 0" in done.stderr
-    _same_models(tmp / "whole", tmp_path / "b")
+    same_saved_models(tmp / "whole", tmp_path / "b")
 
 
 @pytest.mark.timeout(600)
@@ -171,25 +163,7 @@ def test_a_full_disk_is_reported_before_training(tmp_path):
         subprocess.run(["umount", str(small)], check=False)
 
 
-CRASHING_MODEL = """
-import os, signal
-from pathlib import Path
-from convoy.models.lenet import lenet
-
-def factory():
-    model = lenet()
-    calls = [0]
-
-    def hook(module, args):
-        calls[0] += 1
-        marker = Path(os.environ["CRASH_MARKER"])
-        if os.environ["RANK"] == "1" and calls[0] == 6 and not marker.exists():
-            marker.touch()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    model.register_forward_pre_hook(hook)
-    return model
-"""
+CRASHING_MODEL = dying_model(call=6)
 
 
 @pytest.mark.timeout(600)
@@ -213,7 +187,7 @@ def test_a_torchrun_restart_resumes_from_the_last_commit_by_itself(resumed_run, 
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "crashed").exists()
     assert "resumed from" in result.stderr
-    _same_models(whole, tmp_path / "restarted")
+    same_saved_models(whole, tmp_path / "restarted")
 
 
 # blocktopk (local selection) with momentum correction: residuals and velocities, rebuilt by replay.

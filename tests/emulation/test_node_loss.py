@@ -20,6 +20,7 @@ from convoy.checkpoint.reshard import STAGING
 from convoy.emulation import EmulatedCluster, Topology
 from tests.emulation.agents import (convoy_lines, finish_agents, kill_agent, needs_namespaces, start_agent,
                                     torchrun_agents)
+from tests.helpers import dying_model
 
 pytestmark = needs_namespaces
 
@@ -29,26 +30,8 @@ JOB = ("--model", "dying:factory", "--batch-size", "192", "--lr-schedule", "cons
        "--checkpoint-every", "2", "--timeout", "20")
 
 # LeNet plus a forward hook that takes host 1 down (its agent, then its worker) at its ninth step, once.
-DYING_MODEL = """
-import os, signal
-from pathlib import Path
-from convoy.models.lenet import lenet
-
-def factory():
-    model = lenet()
-    calls = [0]
-
-    def hook(module, args):
-        calls[0] += 1
-        marker = Path(os.environ["DEATH_MARKER"])
-        if os.environ["GROUP_RANK"] == "1" and calls[0] == 9 and not marker.exists():
-            marker.touch()
-            os.kill(os.getppid(), signal.SIGKILL)   # the agent
-            os.killpg(0, signal.SIGKILL)            # the worker's own session
-
-    model.register_forward_pre_hook(hook)
-    return model
-"""
+DYING_MODEL = dying_model(call=9, rank_variable="GROUP_RANK", marker_variable="DEATH_MARKER",
+                          kill="os.kill(os.getppid(), signal.SIGKILL); os.killpg(0, signal.SIGKILL)")
 
 
 @pytest.mark.timeout(300)

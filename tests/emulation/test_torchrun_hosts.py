@@ -15,7 +15,7 @@ import torch
 
 from convoy.emulation import EmulatedCluster, Topology
 from tests.emulation.agents import convoy_lines as _convoy_lines, needs_namespaces, torchrun_agents
-from tests.helpers import convoy_in_process, importable
+from tests.helpers import convoy_in_process, dying_model, importable, same_saved_models
 
 pytestmark = needs_namespaces
 
@@ -25,25 +25,7 @@ JOB = ("--batch-size", "128", "--lr-schedule", "constant", "--compress", "fp16",
 AGENT_TIMEOUT_S = 150
 
 # LeNet plus a forward hook that SIGKILLs rank 1 at its sixth step, once (unless the marker exists).
-CRASHING_MODEL = """
-import os, signal
-from pathlib import Path
-from convoy.models.lenet import lenet
-
-def factory():
-    model = lenet()
-    calls = [0]
-
-    def hook(module, args):
-        calls[0] += 1
-        marker = Path(os.environ["CRASH_MARKER"])
-        if os.environ["RANK"] == "1" and calls[0] == 6 and not marker.exists():
-            marker.touch()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    model.register_forward_pre_hook(hook)
-    return model
-"""
+CRASHING_MODEL = dying_model(call=6)
 
 
 @pytest.fixture(scope="module")
@@ -73,21 +55,12 @@ def _torchrun(hosts: EmulatedCluster, tmp: Path, marker: Path, out: Path, extra:
                            timeout_s=AGENT_TIMEOUT_S)
 
 
-def _same_models(a: Path, b: Path) -> None:
-    x, y = torch.load(a / "model.pt"), torch.load(b / "model.pt")
-    for key in x["model"]:
-        assert torch.equal(x["model"][key], y["model"][key]), key
-    for p, q in zip(x["optimizers"], y["optimizers"]):
-        for index in p["state"]:
-            assert torch.equal(p["state"][index]["momentum_buffer"], q["state"][index]["momentum_buffer"])
-
-
 @pytest.mark.timeout(400)
 def test_two_torchrun_hosts_equal_nproc_2_and_a_killed_worker_resumes_bit_identically(hosts, reference):
     tmp = reference
     agents = _torchrun(hosts, tmp, tmp / "never", tmp / "whole")
     assert all(a.returncode == 0 for a in agents), _convoy_lines(agents)
-    _same_models(tmp / "reference", tmp / "whole")
+    same_saved_models(tmp / "reference", tmp / "whole")
 
     # Rank 1 SIGKILLs itself at step 5; both agents restart their worker, which resumes from the checkpoint.
     agents = _torchrun(hosts, tmp, tmp / "crashed", tmp / "restarted", ("--checkpoint-dir", str(tmp / "ckpt")),
@@ -95,7 +68,7 @@ def test_two_torchrun_hosts_equal_nproc_2_and_a_killed_worker_resumes_bit_identi
     assert all(a.returncode == 0 for a in agents), _convoy_lines(agents)
     assert (tmp / "crashed").exists()
     assert "resumed from" in "".join(a.stderr for a in agents)
-    _same_models(tmp / "reference", tmp / "restarted")
+    same_saved_models(tmp / "reference", tmp / "restarted")
 
 
 @pytest.mark.timeout(300)
