@@ -6,7 +6,10 @@ two (the conv workers and the FC workers), each clustered on its own, with a
 group of one rank as a single cluster. Resuming from ``--checkpoint-dir``,
 each group keeps the clusters it was planned with (saved by
 :meth:`Hierarchical.state_tensors`): the nodes are measured again, and a
-measurement is noisy, so a fresh plan could split them differently.
+measurement is noisy, so a fresh plan could split them differently. The plan
+is also written beside the checkpoint files before the first step
+(``clusters-rank<leader>.pt``), so a job stopped before any checkpoint was
+committed starts again with the same clusters.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from convoy.cluster.plan import ClusterPlan, clusters_from_tensors, make_plan
 from convoy.cluster.profile import NodeProfile, profile_job
 from convoy.compress import Compressor, Memory
 from convoy.errors import UsageError
+from convoy.utils.atomic import save_atomically
 from convoy.parallel.shape import JobShape
 from convoy.sync.hierarchical import ClusterNetwork, Hierarchical
 from convoy.train.config import TrainConfig
@@ -67,6 +71,8 @@ def _agree_on_plan(config: TrainConfig, rank: int, profiles: list[NodeProfile], 
             plan = make_plan([profiles[r] for r in group], parse_weights(config.sync.indicator_weights), clusters,
                              config.run.seed, config.sync.reelect_every, config.sync.server_choice).on_ranks(group)
             box[0] = _resumed_plan(config, plan, clusters)
+            if config.checkpoint.dir is not None and Path(config.checkpoint.dir).is_dir():
+                save_atomically(box[0].as_tensors(), plan_file(Path(config.checkpoint.dir), leader))
         except UsageError as exc:   # sent on, so every rank fails alike instead of waiting
             box[0] = str(exc)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -80,9 +86,12 @@ def _resumed_plan(config: TrainConfig, fresh: ClusterPlan, clusters: int | str) 
     """The clusters this group's checkpoint was written with, when the job will resume from one."""
     if config.checkpoint.dir is None or config.checkpoint.resume is False:
         return fresh
-    # The group's first rank plans, and its own file holds the plan.
-    saved = saved_sync_state(Path(config.checkpoint.dir), min(fresh.ranks()))
+    # The group's first rank plans, and its own file holds the plan; before its first commit, the plan file.
+    directory, leader = Path(config.checkpoint.dir), min(fresh.ranks())
+    saved = saved_sync_state(directory, leader)
     plan = {key[len("plan."):]: value for key, value in saved.items() if key.startswith("plan.")}
+    if not plan and plan_file(directory, leader).exists():
+        plan = torch.load(plan_file(directory, leader), weights_only=True)
     if not plan:
         return fresh
     members, capability = clusters_from_tensors(plan)
@@ -94,6 +103,11 @@ def _resumed_plan(config: TrainConfig, fresh: ClusterPlan, clusters: int | str) 
         raise UsageError(f"{config.checkpoint.dir} was written with --clusters {len(members)}, this job asks "
                          f"for {clusters}; resume with --clusters {len(members)}, or pass --no-resume")
     return fresh.with_clusters(members, capability)
+
+
+def plan_file(directory: Path, leader: int) -> Path:
+    """Where the clusters of the engine group led by ``leader`` are kept from the job's start."""
+    return directory / f"clusters-rank{leader}.pt"
 
 
 def saved_sync_state(directory: Path, rank: int) -> dict[str, torch.Tensor]:

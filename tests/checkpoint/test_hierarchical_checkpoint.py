@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from tests.helpers import convoy_in_process, kill_at_checkpoint, profile_toml
+from tests.helpers import convoy_in_process, kill_at_checkpoint, profile_toml, same_saved_models
 
 # A job starts in seconds alone, in minutes on a machine shared with other test runs.
 RUN_TIMEOUT_S = 600
@@ -62,3 +62,26 @@ def test_sigkilled_hierarchical_job_resumes_bit_identical(tmp_path):
     model = torch.load(tmp_path / "exported.pt", weights_only=True)["model"]
     for key, value in expected["model"].items():
         assert torch.equal(model[key], value), key
+
+
+@pytest.mark.timeout(900)
+def test_a_job_stopped_before_its_first_checkpoint_keeps_its_clusters(tmp_path):
+    """Its clusters are kept beside the checkpoint files from the start: a job stopped before any
+    checkpoint was committed (its files erased here) starts again with the clusters it first had,
+    though its nodes now measure otherwise, and ends bit-identical to the uninterrupted run."""
+    first, other = tmp_path / "first.toml", tmp_path / "other.toml"
+    first.write_text(profile_toml(slow=(1, 3)))    # clusters {0, 2} and {1, 3}
+    other.write_text(profile_toml(slow=(2, 3)))    # would be {0, 1} and {2, 3}
+    job = (*JOB[:JOB.index("--steps")], "--steps", "6")
+    checkpoints = tmp_path / "ckpt"
+    whole = convoy_in_process("train", *job, "--node-profile", str(first), "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    started = convoy_in_process("train", *job, "--node-profile", str(first), "--checkpoint-dir", str(checkpoints),
+                                "--out", str(tmp_path / "a"))
+    assert started.returncode == 0, started.stderr
+    for path in checkpoints.glob("*.ckpt*"):
+        path.unlink()
+    again = convoy_in_process("train", *job, "--node-profile", str(other), "--checkpoint-dir", str(checkpoints),
+                              "--out", str(tmp_path / "b"))
+    assert again.returncode == 0, again.stderr
+    same_saved_models(tmp_path / "whole", tmp_path / "b")
