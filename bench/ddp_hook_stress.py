@@ -10,7 +10,9 @@ signal or prints "terminate called" is an abort; any other non-zero exit is a fa
     python bench/ddp_hook_stress.py --runs 50 --hooks blocktopk powersgd fp16 topk
     python bench/ddp_hook_stress.py --runs 12 --hooks blocktopk --options block_fraction=1.0
 
-Prints one line per hook (ok / hang / abort / failed) and exits 1 if any run did not end cleanly.
+Prints a table (a row per hook: ok / hang / abort / failed), writes it to
+bench/results/ddp_hook_stress.json (``--tag`` adds to the name), and exits 1 if any run did
+not end cleanly.
 """
 from __future__ import annotations
 
@@ -143,13 +145,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="how a rank ends: exit with the process group alive, also with the DDP model "
                              "alive, or destroy the group first")
     parser.add_argument("--verbose", action="store_true", help="a line per run on stderr")
+    parser.add_argument("--tag", default="", help="suffix of the result's name (results/ddp_hook_stress_TAG.json)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds a run may take before it is a hang")
     args = parser.parse_args(argv)
     options = dict(_parse_option(o) for o in args.options)
     if args.worker:
         _worker(None if args.worker == "none" else args.worker, options, args.steps, args.end)
         return 0
-    bad = 0
+    bad, rows = 0, []
     for hook in args.hooks:
         counts: dict[str, int] = {"ok": 0, "hang": 0, "abort": 0, "failed": 0}
         start = time.monotonic()
@@ -161,8 +164,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {hook} run {run}: {outcome} ({time.monotonic() - began:.0f} s)" + (f"\n{err}" if err else ""),
                       file=sys.stderr, flush=True)
         bad += args.runs - counts["ok"]
-        print(f"{hook} {' '.join(args.options)}: {args.runs} runs, " + ", ".join(f"{k} {v}" for k, v in counts.items())
-              + f" ({time.monotonic() - start:.0f} s)", flush=True)
+        rows.append({"hook": hook, "runs": args.runs, **counts, "seconds": round(time.monotonic() - start, 1)})
+    sys.path.insert(0, str(ROOT))
+    from bench.common import save
+
+    settings = {"options": args.options, "steps": args.steps, "end": args.end, "timeout_s": args.timeout}
+    save("ddp_hook_stress" + (f"_{args.tag}" if args.tag else ""), settings, rows,
+         ["hook", "runs", "ok", "hang", "abort", "failed", "seconds"])
     return 1 if bad else 0
 
 

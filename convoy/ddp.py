@@ -26,9 +26,10 @@ things on one thread:
   step. A Python callback chained on a gloo future (``Future.then``) runs, and is
   destroyed, on gloo's thread, which then needs the interpreter: if that thread
   loses the race with the interpreter's exit, it is ended inside C++ and the
-  process aborts ("terminate called without an active exception"). The tensors a
-  collective used stay referenced here until the next step, so gloo never drops
-  the last reference to a Python object either.
+  process aborts ("terminate called without an active exception");
+- no tensor of a collective is let go before gloo has let go of it
+  (:class:`convoy.utils.collective.AsyncCollective`), so gloo never frees a
+  Python object on its thread either, which aborts the same way at exit.
 """
 # No ``from __future__ import annotations``: DDP checks the hook's annotations
 # against the real dist.GradBucket and Future[Tensor] objects, not strings.
@@ -102,7 +103,6 @@ class CompressedHookState:
         self._waiting: dict[int, tuple[dist.GradBucket, torch.futures.Future]] = {}
         self._started: list[tuple[PendingSync, torch.futures.Future, list[tuple[int, int]] | None]] = []
         self._last: int | None = None
-        self._last_step: list[tuple[PendingSync, torch.futures.Future, list[tuple[int, int]] | None]] = []
 
     @property
     def exchange(self) -> AllReduce:
@@ -220,9 +220,7 @@ class CompressedHookState:
                 future.set_result(average if spans is None else _unpermute(average, spans))
         if complete:
             self._steps += 1
-        # Kept until the next step ends: the last reference to a tensor that a collective
-        # used is dropped here, on this thread, never on gloo's.
-        self._last_step, self._started = self._started, []
+        self._started = []
         self._waiting.clear()
         self._last = None
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from convoy.compress import Compressor, IdentityCompressor, LayerInfo, Memory, NoMemory, Support
 from convoy.sync.base import Done, PendingSync, SyncStrategy
 from convoy.sync.rows import pack_row, row_extent, sum_rows
+from convoy.utils.collective import AsyncCollective
 
 
 # A warm-up's first step sends this share of every layer (DGC's 25%).
@@ -26,15 +27,15 @@ def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
 class _PendingAllReduce(PendingSync):
     """``finish`` turns what the collective received into the average and its support."""
 
-    def __init__(self, work: Any, finish: Callable[[], tuple[torch.Tensor, Support | None]]):
-        self._work = work
+    def __init__(self, sent: AsyncCollective, finish: Callable[[], tuple[torch.Tensor, Support | None]]):
+        self._sent = sent
         self._finish = finish
 
     def is_done(self) -> bool:
-        return self._work.is_completed()
+        return self._sent.is_completed()
 
     def wait(self) -> torch.Tensor:
-        self._work.wait()
+        self._sent.wait()
         return self._average()
 
     def _average(self) -> torch.Tensor:
@@ -170,7 +171,7 @@ class AllReduce(SyncStrategy):
 
     def _all_reduce(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any) -> PendingSync:
         (wire,) = payload
-        work = dist.all_reduce(wire, group=self.group, async_op=True)
+        sent = AsyncCollective(wire, lambda: dist.all_reduce(wire, group=self.group, async_op=True))
         moved = ring_allreduce_bytes(wire.numel() * wire.element_size(), self.world_size)
         self._count(moved, moved)
 
@@ -178,7 +179,7 @@ class AllReduce(SyncStrategy):
             total, support = compressor.decompress_sum([[wire]], ctx)
             return total.div_(self.world_size), support
 
-        return _PendingAllReduce(work, finish)
+        return _PendingAllReduce(sent, finish)
 
     def _all_gather(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any) -> PendingSync:
         # Each rank's row (convoy.sync.rows), padded to a width every rank agrees on.
@@ -187,7 +188,7 @@ class AllReduce(SyncStrategy):
         width = self._row_width(compressor, ctx, head, used)
         mine = pack_row(payload, width)
         rows = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world_size)]
-        work = dist.all_gather(rows, mine, group=self.group, async_op=True)
+        sent = AsyncCollective(mine, lambda: dist.all_gather(rows, mine, group=self.group, async_op=True))
         moved = (self.world_size - 1) * width
         self._count(moved, moved)
 
@@ -195,7 +196,7 @@ class AllReduce(SyncStrategy):
             total, support = sum_rows(compressor, rows, dtypes, ctx)
             return total.div_(self.world_size), support
 
-        return _PendingAllReduce(work, finish)
+        return _PendingAllReduce(sent, finish)
 
     def _row_width(self, compressor: Compressor, ctx: Any, head: int, used: int) -> int:
         """Bytes of every rank's all-gather row: the compressor's bound, or the largest payload."""

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from convoy.errors import TrainingDiverged
+from convoy.utils.collective import AsyncCollective
 
 
 def divergence_hint(lr: float, amp: str, clip_grad_norm: float | None) -> str:
@@ -66,7 +67,7 @@ class DivergenceGuard:
         self._group = group
         self._rank = dist.get_rank() if group is not None else 0
         self._hint = hint
-        self._pending: tuple[int, torch.Tensor, dist.Work | None, float] | None = None
+        self._pending: tuple[int, torch.Tensor, AsyncCollective | None, float] | None = None
         self._last_loss: tuple[int, float] | None = None   # this rank's latest (step, loss)
 
     def check(self, step: int, loss: float, stop: int = 0) -> StopAgreement | None:
@@ -86,8 +87,9 @@ class DivergenceGuard:
         # [non-finite loss, signal, -(first rank signalled), last rank signalled]: MAX of each.
         first, last = (-float(self._rank), float(self._rank)) if stop else (-math.inf, -math.inf)
         flag = torch.tensor([0.0 if math.isfinite(loss) else 1.0, float(stop), first, last], dtype=torch.float64)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True) \
-            if self._group is not None else None
+        group = self._group
+        work = AsyncCollective(flag, lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)) \
+            if group is not None else None
         self._pending = (step, flag, work, loss)
         return agreed
 
