@@ -297,6 +297,12 @@ def _stop_flag() -> str:
                    f"{r['check_us']:.0f}"] for r in rows_of("stop_flag")])
 
 
+def _ddp_hook_stress() -> str:
+    return table(["hook", "runs", "ended cleanly", "hung", "aborted", "failed"],
+                 [[r["hook"], str(r["runs"]), str(r["ok"]), str(r["hang"]), str(r["abort"]), str(r["failed"])]
+                  for r in rows_of("ddp_hook_stress")])
+
+
 def _training_guards() -> str:
     rows = rows_of("training_guards")
     return table(["model", "mode", "step", "vs plain"],
@@ -561,6 +567,9 @@ BLOCKS: tuple[Block, ...] = (
           "--compress blocktopk --modes none convoy --tag long",
           "no checkpoint, alternating; 110 steps a round, so the full snapshots the listener spaces count",
           _checkpoint("checkpoint_blocktopk_long")),
+    Block("ddp_hook_stress", "DDP comm hooks: fresh two-process gloo jobs that must all end cleanly",
+          ("ddp_hook_stress",), "python bench/ddp_hook_stress.py --runs 50 --hooks blocktopk powersgd fp16 topk "
+          "--timeout 120", "no peer: the bar is zero hangs and aborts", _ddp_hook_stress),
     Block("stop_flag", "What the stop signal adds to the guard's per-step flag", ("stop_flag",),
           "python bench/stop_flag.py --steps 1000 --rounds 5 --world 2",
           "the loss flag alone (before the stop signal travelled in it)", _stop_flag),
