@@ -28,7 +28,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from convoy.compress import (DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, DEFAULT_METRIC, DEFAULT_POWERSGD_RANK,
                              MOMENTUM_CORRECTED_NAMES)
@@ -36,6 +36,9 @@ from convoy.errors import UsageError
 from convoy.ps.settings import DEFAULT_CHANNELS, DEFAULT_CREDIT_KB, DEFAULT_SLICE_KB
 from convoy.utils.suggest import did_you_mean
 from convoy.utils.toml import read_toml
+
+if TYPE_CHECKING:
+    from convoy.parallel.shape import JobShape
 
 
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "rmsprop", "adagrad")
@@ -510,9 +513,21 @@ class TrainConfig:
 
     def _validate_shape(self, world: int) -> None:
         """Roles and groups fit the world (convoy.parallel.shape), checked before any worker starts."""
+        self.job_shape(world)
+
+    def job_shape(self, world_size: int) -> "JobShape":
+        """The shape this configuration asks for on ``world_size`` ranks (UsageError where it does not fit)."""
+        from convoy.cluster.clustering import parse_clusters
         from convoy.parallel.shape import JobShape
 
-        JobShape.from_config(self, world)
+        hybrid = self.parallel.layout == "hybrid"
+        servers = self.ps_servers() if self.sync.strategy == "ps" else 0
+        return JobShape(world_size,
+                        # only dedicated server ranks change the shape; colocated ones are workers too
+                        servers=0 if servers == "colocated" else int(servers),
+                        conv_workers=(self.parallel.conv_workers or 0) if hybrid else 0,
+                        fc_workers=(self.parallel.fc_workers or 0) if hybrid else 0,
+                        clusters=parse_clusters(self.sync.clusters) if self.sync.strategy == "hierarchical" else 1)
 
     def _validate_precision(self) -> None:
         if self.optim.lr is None:

@@ -76,7 +76,7 @@ def run(config: TrainConfig, stop: StopRequest | None = None) -> RunSummary:
     broadcast_parameters(model)
     # A checkpoint of another number of workers: its global batch is kept, its rank files re-dealt.
     config = adapt_to_checkpoint(config, model, ctx)
-    shape = JobShape.from_config(config, ctx.world_size)
+    shape = config.job_shape(ctx.world_size)
     # A step's samples per worker: --grad-accum micro-batches of --batch-size.
     step_batch = config.data.batch_size * config.optim.grad_accum
     steps_per_epoch = len(GlobalBatchSampler(len(splits.train), step_batch, shape.data_world_size, 0, config.run.seed))
@@ -156,7 +156,7 @@ def start_checkpoints(config: TrainConfig, layout: ParallelLayout, total_steps: 
 def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, total_steps: int,
                  input_shape: tuple[int, ...], shape: JobShape | None = None) -> ParallelLayout:
     """This rank's parallel layout, with an engine (sync strategy, compressor) for its part of the model."""
-    shape = shape or JobShape.from_config(config, ctx.world_size)
+    shape = shape or config.job_shape(ctx.world_size)
     optimizer_class, hyper = optimizer_spec(config)
     # Every rank plans every group's clusters and builds their process groups, before any layout's groups.
     hierarchy = build_hierarchy(config, ctx, shape) if config.sync.strategy == "hierarchical" else None
