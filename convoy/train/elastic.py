@@ -15,7 +15,6 @@ Example::
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import sys
@@ -62,7 +61,7 @@ def adapt_to_checkpoint(config: TrainConfig, model: nn.Module, ctx: runtime.Cont
     batch, note = value
     if ctx.rank == 0:
         print(note, file=sys.stderr, flush=True)
-    return dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=batch))
+    return config.with_settings(batch_size=batch)
 
 
 def finish_resharding(config: TrainConfig, rank: int) -> None:

@@ -15,7 +15,8 @@ from tqdm import tqdm
 
 from convoy import runtime
 from convoy.checkpoint.export import load_initial_state
-from convoy.checkpoint.session import CheckpointSession, CheckpointSettings, ResumePoint, start_checkpointing
+from convoy.checkpoint.session import (CheckpointSession, CheckpointSettings, ResumePoint, check_directory,
+                                      start_checkpointing)
 from convoy.data import DatasetSplits, GlobalBatchSampler, build_dataset, iterate_batches
 from convoy.engine import Engine
 from convoy.engine.gradients import GradientGate, LossScaler
@@ -64,6 +65,8 @@ def run(config: TrainConfig, stop: StopRequest | None = None) -> RunSummary:
             checkpoint there (with --checkpoint-dir) and raises :class:`JobStopped`.
     """
     stop = stop or StopRequest()
+    if config.checkpoint.dir is not None:   # created before anything reads it (a resharding, a cluster plan)
+        check_directory(config.checkpoint.dir)
     ctx = runtime.init("nccl" if config.run.device == "cuda" else "gloo", timeout_s=config.run.timeout)
     torch.set_num_threads(config.run.threads)
     splits = build_dataset(config.data.dataset, config.data.dir,
