@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch import nn
 
-from convoy.checkpoint.listener import committed_step
+from convoy.checkpoint.files import committed_step
 from convoy.utils.spawn import free_port, rank_entry
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,15 +2,17 @@
 
 - :mod:`~convoy.checkpoint.format`: the layout, fixed offsets, commit records.
 - :mod:`~convoy.checkpoint.store`: the mapped file with two areas, msync.
-- :mod:`~convoy.checkpoint.listener`: snapshot each layer when updated, persist in the background.
+- :mod:`~convoy.checkpoint.listener`: snapshot each layer when updated; :mod:`~convoy.checkpoint.schedule`:
+  when, and which kind; :mod:`~convoy.checkpoint.persister`: write in the background.
 - :mod:`~convoy.checkpoint.recovery`: newest valid area, checksums, restore.
 - :mod:`~convoy.checkpoint.session`: resume-or-start for a training job.
 - :mod:`~convoy.checkpoint.export`, :mod:`~convoy.checkpoint.inspect`: plain torch files, descriptions.
 """
 from convoy.checkpoint.export import export_checkpoint, load_initial_state
 from convoy.checkpoint.format import FormatError
-from convoy.checkpoint.listener import CheckpointError, CheckpointListener
+from convoy.checkpoint.listener import CheckpointListener
+from convoy.checkpoint.persister import CheckpointError, CheckpointFiles
 from convoy.checkpoint.session import CheckpointSettings, ResumePoint, start_checkpointing
 
-__all__ = ["CheckpointError", "CheckpointListener", "CheckpointSettings", "FormatError", "ResumePoint",
+__all__ = ["CheckpointError", "CheckpointFiles", "CheckpointListener", "CheckpointSettings", "FormatError", "ResumePoint",
            "export_checkpoint", "load_initial_state", "start_checkpointing"]

@@ -69,7 +69,7 @@ import torch
 from convoy.checkpoint import faults
 from convoy.checkpoint.difflog import DiffLog, log_path
 from convoy.checkpoint.format import CommitRecord, FormatError, Layout
-from convoy.checkpoint.listener import model_file, rank_file
+from convoy.checkpoint.files import model_file, rank_file
 from convoy.checkpoint.recovery import restore_points, scan, valid_steps
 from convoy.checkpoint.snapshot import rank_layout
 from convoy.checkpoint.store import AREAS, Store

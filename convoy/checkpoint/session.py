@@ -25,11 +25,14 @@ from torch import nn
 
 from convoy.checkpoint.difflog import DiffLog, log_path
 from convoy.checkpoint.format import FormatError, Layout
-from convoy.checkpoint.listener import DEFAULT_BUDGET, DEFAULT_FULL_EVERY, CheckpointListener, model_file, rank_file
+from convoy.checkpoint.files import model_file, rank_file
+from convoy.checkpoint.listener import CheckpointListener
+from convoy.checkpoint.persister import CheckpointFiles
 from convoy.checkpoint.recovery import (AreaReport, RestorePoint, ensure_verified, fallback_notes, read_updates,
                                        replay_updates, restore_model, restore_points, restore_rank, scan,
                                        valid_steps)
 from convoy.checkpoint.replay import ReplayFeed
+from convoy.checkpoint.schedule import DEFAULT_BUDGET, DEFAULT_FULL_EVERY
 from convoy.checkpoint.snapshot import model_layout, rank_layout, rank_state
 from convoy.checkpoint.store import AREAS, Store
 from convoy.compress import FP16Compressor, IdentityCompressor
@@ -242,14 +245,14 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
     if rank == 0:
         for note in start.notes:
             print(f"convoy: checkpoint: {note}", file=sys.stderr, flush=True)
-    listener = CheckpointListener(directory, model, engine, every=settings.every, last_step=total_steps - 1,
-                                  steps_per_epoch=steps_per_epoch, rank=rank, writer_rank=writer,
-                                  local_ranks=peers, model_store=model_store, full_names=full_names,
-                                  other_writers=_other_writers_here(writer, [held.writer for held in everyone]),
-                                  **_remote_writers(writer, [held.writer for held in everyone]),
-                                  model_generation=model_gen, rank_generation=rank_gen, rank_store=rank_store,
-                                  peer_timeout_s=settings.timeout_s, budget=settings.budget,
+    writers = [held.writer for held in everyone]
+    files = CheckpointFiles(directory, rank=rank, writer_rank=writer, local_ranks=peers, model_store=model_store,
+                            rank_store=rank_store, model_generation=model_gen, rank_generation=rank_gen,
+                            other_writers=_other_writers_here(writer, writers), **_remote_writers(writer, writers),
+                            peer_timeout_s=settings.timeout_s)
+    listener = CheckpointListener(model, engine, files, every=settings.every, last_step=total_steps - 1,
                                   full_every=settings.full_every if differential_ok(engine.sync) else 0,
+                                  steps_per_epoch=steps_per_epoch, budget=settings.budget, full_names=full_names,
                                   copy_on_write=type(engine.sync) is AllReduce, replay=replay,
                                   quiet_until=start.reached, job=settings.job)
     engine.listeners.append(listener)

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--conv-workers + --fc-workers ({parallel.conv_workers + parallel.fc_workers}) must "
                          f"equal --nproc ({parallel.nproc})")
     if config.run.out is None:
-        config.run.out = time.strftime("runs/%Y%m%d-%H%M%S")
+        config = config.with_settings(out=time.strftime("runs/%Y%m%d-%H%M%S"))
     return launch(json.dumps(config.to_dict()), parallel.nproc)
 
 

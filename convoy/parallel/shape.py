@@ -1,7 +1,8 @@
 """The job's shape: how many ranks, which role each plays, who reads data, which ranks share an engine.
 
 Computed and checked once, up front (from the configuration and the world
-size, before any worker starts and again in every worker), and handed to
+size by ``TrainConfig.job_shape``, before any worker starts and again in
+every worker; this module knows nothing of the configuration), and handed to
 everything that used to work it out for itself: the data sampler (how many
 ranks split a global batch), the layouts (roles), hierarchical sync (the
 groups it clusters). As torchtitan's ``ParallelDims``: one frozen value, so
@@ -16,14 +17,10 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from convoy.errors import UsageError
 from convoy.parallel.hybrid import HybridRoles
 from convoy.ps.roles import PSRoles
-
-if TYPE_CHECKING:
-    from convoy.train.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -64,18 +61,6 @@ class JobShape:
             for group, name in zip(self.engine_groups, self._group_names()):
                 if len(group) > 1 and int(self.clusters) > len(group):
                     raise UsageError(f"--clusters {self.clusters} is more than the {len(group)} {name}")
-
-    @classmethod
-    def from_config(cls, config: "TrainConfig", world_size: int) -> "JobShape":
-        """The shape ``config`` asks for on ``world_size`` ranks."""
-        from convoy.cluster.clustering import parse_clusters
-
-        hybrid = config.parallel.layout == "hybrid"
-        return cls(world_size,
-                   servers=_dedicated_servers(config),
-                   conv_workers=(config.parallel.conv_workers or 0) if hybrid else 0,
-                   fc_workers=(config.parallel.fc_workers or 0) if hybrid else 0,
-                   clusters=parse_clusters(config.sync.clusters) if config.sync.strategy == "hierarchical" else 1)
 
     # ------------------------------------------------------------------ roles
     @property
@@ -124,8 +109,3 @@ class JobShape:
     def _group_names(self) -> list[str]:
         return ["conv workers", "FC workers"] if self.hybrid else ["nodes"]
 
-
-def _dedicated_servers(config: "TrainConfig") -> int:
-    """Ranks that only serve parameters: ``--servers S`` under ``--sync ps``; none when colocated."""
-    servers = config.ps_servers() if config.sync.strategy == "ps" else 0
-    return 0 if servers == "colocated" else int(servers)

@@ -15,7 +15,6 @@ Example::
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import sys
@@ -26,7 +25,7 @@ from torch import nn
 
 from convoy import runtime
 from convoy.checkpoint.format import FormatError
-from convoy.checkpoint.listener import model_file
+from convoy.checkpoint.files import model_file
 from convoy.checkpoint.reshard import STAGING, cleanup, complete, rank_files, recorded_job, reshard
 from convoy.checkpoint.snapshot import model_layout
 from convoy.checkpoint.store import Store
@@ -62,7 +61,7 @@ def adapt_to_checkpoint(config: TrainConfig, model: nn.Module, ctx: runtime.Cont
     batch, note = value
     if ctx.rank == 0:
         print(note, file=sys.stderr, flush=True)
-    return dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=batch))
+    return config.with_settings(batch_size=batch)
 
 
 def finish_resharding(config: TrainConfig, rank: int) -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from convoy import runtime
-from convoy.checkpoint.listener import rank_file
+from convoy.checkpoint.files import rank_file
 from convoy.checkpoint.recovery import rank_file_tensors
 from convoy.cluster import load_profile_file, parse_weights
 from convoy.cluster.plan import ClusterPlan, clusters_from_tensors, make_plan

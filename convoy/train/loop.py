@@ -15,7 +15,8 @@ from tqdm import tqdm
 
 from convoy import runtime
 from convoy.checkpoint.export import load_initial_state
-from convoy.checkpoint.session import CheckpointSession, CheckpointSettings, ResumePoint, start_checkpointing
+from convoy.checkpoint.session import (CheckpointSession, CheckpointSettings, ResumePoint, check_directory,
+                                      start_checkpointing)
 from convoy.data import DatasetSplits, GlobalBatchSampler, build_dataset, iterate_batches
 from convoy.engine import Engine
 from convoy.engine.gradients import GradientGate, LossScaler
@@ -64,6 +65,8 @@ def run(config: TrainConfig, stop: StopRequest | None = None) -> RunSummary:
             checkpoint there (with --checkpoint-dir) and raises :class:`JobStopped`.
     """
     stop = stop or StopRequest()
+    if config.checkpoint.dir is not None:   # created before anything reads it (a resharding, a cluster plan)
+        check_directory(config.checkpoint.dir)
     ctx = runtime.init("nccl" if config.run.device == "cuda" else "gloo", timeout_s=config.run.timeout)
     torch.set_num_threads(config.run.threads)
     splits = build_dataset(config.data.dataset, config.data.dir,
@@ -76,7 +79,7 @@ def run(config: TrainConfig, stop: StopRequest | None = None) -> RunSummary:
     broadcast_parameters(model)
     # A checkpoint of another number of workers: its global batch is kept, its rank files re-dealt.
     config = adapt_to_checkpoint(config, model, ctx)
-    shape = JobShape.from_config(config, ctx.world_size)
+    shape = config.job_shape(ctx.world_size)
     # A step's samples per worker: --grad-accum micro-batches of --batch-size.
     step_batch = config.data.batch_size * config.optim.grad_accum
     steps_per_epoch = len(GlobalBatchSampler(len(splits.train), step_batch, shape.data_world_size, 0, config.run.seed))
@@ -156,7 +159,7 @@ def start_checkpoints(config: TrainConfig, layout: ParallelLayout, total_steps: 
 def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, total_steps: int,
                  input_shape: tuple[int, ...], shape: JobShape | None = None) -> ParallelLayout:
     """This rank's parallel layout, with an engine (sync strategy, compressor) for its part of the model."""
-    shape = shape or JobShape.from_config(config, ctx.world_size)
+    shape = shape or config.job_shape(ctx.world_size)
     optimizer_class, hyper = optimizer_spec(config)
     # Every rank plans every group's clusters and builds their process groups, before any layout's groups.
     hierarchy = build_hierarchy(config, ctx, shape) if config.sync.strategy == "hierarchical" else None

@@ -28,8 +28,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from convoy.checkpoint.difflog import CHUNK, BucketUpdate, chunks_of, dense, log_path, pack, unpack
-from convoy.checkpoint.listener import FULL_EVERY_BOUNDS, full_interval
 from convoy.checkpoint.recovery import read_updates, replay_updates, restore_model, restore_points, scan, valid_steps
+from convoy.checkpoint.schedule import FULL_EVERY_BOUNDS, full_interval
 from convoy.checkpoint.store import Store
 from convoy.compress import Support
 from convoy.models.lenet import lenet

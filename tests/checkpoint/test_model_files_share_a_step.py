@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from convoy.checkpoint import CheckpointError, CheckpointListener
-from convoy.checkpoint.listener import model_file
+from convoy.checkpoint import CheckpointError, CheckpointFiles, CheckpointListener
+from convoy.checkpoint.files import model_file
 from convoy.checkpoint.snapshot import model_layout
 from convoy.checkpoint.store import Store
 from tests.checkpoint.checkpoint_job import HYPER, STEPS_PER_EPOCH, build_job, train
@@ -26,9 +26,10 @@ def _writer(directory: Path, writer: int, steps: int, other_writers: list[int]) 
     """Train the job ``steps`` steps with a checkpoint after every step into ``model-rank<writer>``."""
     model, engine, x, y = build_job()
     store = Store.create(model_file(directory, writer), model_layout(model, torch.optim.SGD, HYPER))
-    listener = CheckpointListener(directory, model, engine, every=1, last_step=99, steps_per_epoch=STEPS_PER_EPOCH,
-                                  rank=writer, writer_rank=writer, local_ranks=[writer], model_store=store,
-                                  other_writers=other_writers, peer_timeout_s=PEER_TIMEOUT_S)
+    files = CheckpointFiles(directory, rank=writer, writer_rank=writer, local_ranks=[writer], model_store=store,
+                            other_writers=other_writers, peer_timeout_s=PEER_TIMEOUT_S)
+    listener = CheckpointListener(model, engine, files, every=1, last_step=99, full_every=0,
+                                  steps_per_epoch=STEPS_PER_EPOCH)
     engine.listeners.append(listener)
     train(model, engine, x, y, 0, steps)
     engine.close()

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from convoy.checkpoint.listener import committed_step
+from convoy.checkpoint.files import committed_step
 from tests.helpers import convoy_in_process, kill_at_checkpoint
 
 STEPS = 30
