@@ -74,22 +74,35 @@ def test_export_then_init_from_starts_from_the_checkpoint(resumed_run):
         assert torch.allclose(started[key], value, atol=1e-6), key
 
 
+def _flip_both_commit_records(directory: Path) -> None:
+    path = directory / "model-rank0.ckpt"
+    data = bytearray(path.read_bytes())
+    header = len(data) - 2 * ((len(data) - 4096) // 2)
+    for offset in (header + 40, header + (len(data) - header) // 2 + 40):
+        data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _cut_every_file_in_half(directory: Path) -> None:
+    for path in directory.iterdir():
+        os.truncate(path, path.stat().st_size // 2)
+
+
 @pytest.mark.timeout(600)
-def test_a_damaged_checkpoint_stops_the_job_with_exit_2_and_is_left_untouched(resumed_run, tmp_path):
+@pytest.mark.parametrize("damage", [_flip_both_commit_records, _cut_every_file_in_half],
+                         ids=["commit records flipped", "every file cut in half"])
+def test_a_damaged_checkpoint_stops_the_job_with_exit_2_and_is_left_untouched(resumed_run, tmp_path, damage):
     tmp, _ = resumed_run
     damaged = tmp_path / "damaged"
     shutil.copytree(tmp / "ckpt", damaged)
-    path = damaged / "model-rank0.ckpt"
-    data = bytearray(path.read_bytes())
-    header = len(data) - 2 * ((len(data) - 4096) // 2)
-    for offset in (header + 40, header + (len(data) - header) // 2 + 40):   # both commit records
-        data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
+    damage(damaged)
+    before = {path.name: path.read_bytes() for path in damaged.iterdir()}
     line = one_line_error(convoy_in_process("train", "--nproc", "1", *JOB[2:], "--steps", "14",
                                             "--checkpoint-dir", str(damaged), "--out", str(tmp_path / "r")))
     assert "no usable checkpoint" in line and "nothing was overwritten" in line
-    assert path.read_bytes() == bytes(data)
-    assert "damaged" in convoy_in_process("checkpoint", "inspect", str(damaged)).stdout
+    assert {path.name: path.read_bytes() for path in damaged.iterdir()} == before
+    inspected = convoy_in_process("checkpoint", "inspect", str(damaged))
+    assert inspected.returncode == 1 and "damaged" in inspected.stdout   # 1: nothing recoverable
 
 
 @pytest.mark.timeout(600)
@@ -146,21 +159,38 @@ def test_resume_with_nothing_to_resume_is_an_error(tmp_path):
     assert "holds no checkpoint" in line
 
 
-@pytest.mark.timeout(600)
-def test_a_full_disk_is_reported_before_training(tmp_path):
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KB tmpfs mounted for the test: too small for a checkpoint or a model.pt."""
+    if os.geteuid() != 0:
+        pytest.skip("mounts a tmpfs: root only")
     small = tmp_path / "small"
     small.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)],
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here")
-    try:
-        line = one_line_error(convoy_in_process("train", "--nproc", "1", "--steps", "2",
-                                                "--checkpoint-dir", str(small), "--out", str(tmp_path / "r"),
-                                                "--no-progress"))
-        assert "MB free" in line or "No space left" in line
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:   # root without the right to mount (a container)
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield small
+    subprocess.run(["umount", str(small)], check=False)
+
+
+@pytest.mark.timeout(600)
+def test_a_full_disk_is_reported_before_training(small_disk):
+    line = one_line_error(convoy_in_process("train", "--nproc", "1", "--steps", "2",
+                                            "--checkpoint-dir", str(small_disk), "--out", str(small_disk.parent / "r"),
+                                            "--no-progress"))
+    assert "MB free" in line or "No space left" in line
+    assert list(small_disk.iterdir()) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_run_folder_on_a_full_disk_fails_in_one_line_and_leaves_no_partial_model_file(small_disk):
+    """model.pt (lenet and its momentum: about 0.5 MB) does not fit: the run trains, then says so in one
+    line; the atomic write leaves no temporary file behind."""
+    line = one_line_error(convoy_in_process("train", "--nproc", "1", "--model", "lenet", "--steps", "2",
+                                            "--eval-every", "0", "--out", str(small_disk / "run"), "--no-progress"))
+    assert "cannot write" in line and "model.pt" in line and "not enough space" in line
+    assert sorted(path.name for path in (small_disk / "run").iterdir()) == ["config.json", "metrics-rank0.jsonl"]
 
 
 CRASHING_MODEL = dying_model(call=6)

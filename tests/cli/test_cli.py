@@ -138,6 +138,43 @@ def test_a_failing_worker_stops_a_torchrun_job(tmp_path, failing_model):
     assert "rank one exploded" in result.stderr
 
 
+# LeNet that, at its first forward in a worker (past the rendezvous: the store and gloo's connections
+# are up), writes the addresses its process listens on to $LISTENING_DIR/rank<RANK>.json.
+LISTENING_MODEL = """
+import json
+import os
+from pathlib import Path
+
+import psutil
+from convoy.models.lenet import lenet
+
+def factory():
+    model = lenet()
+
+    def note(module, args):
+        path = Path(os.environ["LISTENING_DIR"], f"rank{os.environ.get('RANK')}.json")
+        if "RANK" in os.environ and not path.exists():
+            sockets = psutil.Process().net_connections("inet")
+            path.write_text(json.dumps([s.laddr.ip for s in sockets if s.status == psutil.CONN_LISTEN]))
+
+    model.register_forward_pre_hook(note)
+    return model
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_local_run_listens_on_loopback_only(tmp_path, user_module):
+    """Nothing another machine could connect to: rank 0's rendezvous store (torch's default listens on
+    every interface) and every rank's gloo sockets bind 127.0.0.1 (or ::1)."""
+    env = {**user_module("listening", LISTENING_MODEL), "LISTENING_DIR": str(tmp_path)}
+    result = convoy_in_process("train", "--nproc", "2", "--model", "listening:factory", "--steps", "2",
+                               "--eval-every", "0", "--no-progress", "--out", str(tmp_path / "run"), env=env)
+    assert result.returncode == 0, result.stderr
+    listening = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+    assert listening[0], "rank 0 listens on nothing: the store was not up at the first step"
+    assert all(ip in ("127.0.0.1", "::1") for ips in listening.values() for ip in ips), listening
+
+
 @pytest.mark.timeout(300)
 def test_a_missing_data_file_is_reported_by_name(tmp_path):
     line = one_line_error(convoy_in_process("train", "--dataset", "mnist", "--data-dir", str(tmp_path), "--nproc", "1"))

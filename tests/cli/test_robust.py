@@ -242,6 +242,38 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_one_step_in_one_line(tmp
     assert all(_gone_within(pid, 15) for pid in workers)
 
 
+@pytest.mark.timeout(120)
+def test_sigkill_to_the_launcher_leaves_no_worker(tmp_path):
+    """SIGKILL cannot be caught or passed on: the kernel ends each worker by the parent-death signal
+    the launcher set in it before its program started. Killed as soon as both workers run convoy
+    (they are still starting up: the signal is set before exec, so the moment does not matter)."""
+    launcher = subprocess.Popen([sys.executable, "-m", "convoy", "train", "--nproc", "2", "--steps", "100000",
+                                 "--no-progress", "--out", str(tmp_path / "run")], stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    try:
+        workers = _workers_running(launcher.pid, 2)
+        launcher.kill()
+        launcher.wait(timeout=30)
+        assert all(_gone_within(pid, 15) for pid in workers)
+    finally:   # a worker that outlived the launcher must not outlive the test
+        launcher.kill()
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _workers_running(pid: int, count: int) -> list[int]:
+    """The launcher ``pid``'s ``count`` worker pids, once each runs ``python -m convoy _worker`` (past exec)."""
+    deadline = time.monotonic() + 60
+    while True:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        started = [int(c) for c in children if b"_worker" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        if len(started) == count:
+            return started
+        assert time.monotonic() < deadline, f"{len(started)} of {count} workers started within 60 s"
+        time.sleep(0.02)
+
+
 _LENET = ["--nproc", "2", "--model", "lenet", "--batch-size", "8", "--steps", "120", "--no-progress"]
 
 
@@ -255,9 +287,13 @@ def uninterrupted_lenet(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("seed", [0, 1])   # rank 1 receives the signal at step 59; rank 0 at step 13
-def test_sigterm_to_a_rank_commits_the_stop_step_and_the_resumed_run_is_bit_identical(tmp_path, seed,
-                                                                                      uninterrupted_lenet):
+@pytest.mark.parametrize("seed, receiver", [
+    (0, "rank"), (1, "rank"),   # rank 1 receives the signal at step 59; rank 0 at step 13
+    # The launcher receives it at step 44 and passes it on to every rank (the graceful stop's other path).
+    pytest.param(5, "launcher", marks=pytest.mark.slow),
+])
+def test_sigterm_to_a_rank_or_the_launcher_commits_the_stop_step_and_the_resumed_run_is_bit_identical(
+        tmp_path, seed, receiver, uninterrupted_lenet):
     """Checkpoints every 1000 steps: the only commit is the one the stop forces, at the step every rank
     stopped after; resuming from it ends where an uninterrupted run ends, bit for bit."""
     rng = random.Random(seed)
@@ -265,10 +301,11 @@ def test_sigterm_to_a_rank_commits_the_stop_step_and_the_resumed_run_is_bit_iden
     job = subprocess.Popen([sys.executable, "-m", "convoy", "train", *_LENET, *ckpt, "--out", str(tmp_path / "a")],
                            stderr=subprocess.PIPE, text=True)
     workers = _children_once_training(job.pid, tmp_path / "a", steps=rng.randrange(5, 60))
-    os.kill(workers[rng.randrange(2)], signal.SIGTERM)
+    os.kill(workers[rng.randrange(2)] if receiver == "rank" else job.pid, signal.SIGTERM)
     stderr = job.communicate(timeout=240)[1]
     assert job.returncode == 128 + signal.SIGTERM
-    stopped = re.fullmatch(r"convoy: stopped by SIGTERM to rank [01] at step (\d+); checkpoint committed at step "
+    who = r"rank [01]" if receiver == "rank" else rf"the launcher \(pid {job.pid}\)"
+    stopped = re.fullmatch(rf"convoy: stopped by SIGTERM to {who} at step (\d+); checkpoint committed at step "
                            r"(\d+); resume with the same command", stderr.strip())
     assert stopped and stopped[1] == stopped[2], stderr
     resumed = convoy_in_process("train", *_LENET, *ckpt, "--out", str(tmp_path / "a"))
