@@ -7,6 +7,12 @@ sends a buffer to rank 0 (on request, so the clock runs only while the bytes
 move), and rank 0 sends one to rank 1; the best of three tries counts (of two for
 the disk), and how much the tries differed is kept as the node's measurement noise.
 A ``--node-profile`` file replaces any of these values, and an indicator it gives is not measured.
+
+A node is a machine, not a process: the ranks that share one (the same host
+name and network namespace, so each emulated host is a node of its own) share
+its measured CPU, memory, disk and uplink, those of its lowest rank. Measured
+per process, they differed by the machine's load of the moment, and two runs of
+one local job could be planned into different clusters.
 """
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ DISK_BYTES = 16 << 20
 DISK_TRIES = 2
 UPLINK_BYTES = 2 << 20
 UPLINK_TRIES = 3
+# The indicators of the machine itself, the same for every rank on it (the GPU ones are each rank's device's).
+MACHINE_INDICATORS = ("cpu_mhz", "memory_gb", "disk_mbps", "uplink_mbps")
 
 
 @dataclass
@@ -167,6 +175,7 @@ def profile_job(overrides: ProfileOverrides | None = None, local_rank: int = 0,
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     hosts = _all_gather([socket.gethostname()], world)
+    machines = _all_gather([machine_id()], world)
     given = [overrides.for_rank(r, hosts[r]) if overrides else {} for r in range(world)]
     mine = NodeProfile(rank, hosts[rank], from_file=tuple(name for name in INDICATORS if name in given[rank]))
     measure = {
@@ -189,7 +198,39 @@ def profile_job(overrides: ProfileOverrides | None = None, local_rank: int = 0,
     if "uplink_mbps" in given[rank]:
         mine.uplink_mbps = given[rank]["uplink_mbps"]
         mine.noise.pop("uplink_mbps", None)   # a given value is exact
-    return _all_gather([mine], world)
+    return one_profile_per_machine(_all_gather([mine], world), machines)
+
+
+def machine_id() -> str:
+    """What tells this process's machine from the job's others: its host name and network namespace."""
+    try:
+        namespace = os.stat("/proc/self/ns/net").st_ino
+    except OSError:   # not Linux: the host name alone
+        namespace = 0
+    return f"{socket.gethostname()}/{namespace}"
+
+
+def one_profile_per_machine(profiles: list[NodeProfile], machines: list[str]) -> list[NodeProfile]:
+    """``profiles`` with each machine's measured indicators those of its lowest rank measuring them.
+
+    Values a profile file gave stay each rank's own (a file may set ranks of one host apart).
+
+    Example::
+
+        >>> a, b = NodeProfile(0, "h", cpu_mhz=2000.0), NodeProfile(1, "h", cpu_mhz=1900.0)
+        >>> one_profile_per_machine([a, b], ["h/1", "h/1"])[1].cpu_mhz
+        2000.0
+    """
+    for name in MACHINE_INDICATORS:
+        first: dict[str, NodeProfile] = {}
+        for profile, machine in zip(profiles, machines):
+            if name in profile.from_file:
+                continue
+            lead = first.setdefault(machine, profile)
+            setattr(profile, name, getattr(lead, name))
+            if name in lead.noise:
+                profile.noise[name] = lead.noise[name]
+    return profiles
 
 
 def _all_gather(item: list, world: int) -> list:

@@ -1,4 +1,4 @@
-"""Profiling, normalisation, clustering, election and contribution weights, without processes."""
+"""Profiling, normalisation, clustering, election and contribution weights."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,9 +8,9 @@ from hypothesis import given, settings, strategies as st
 from convoy.cli.main import main
 from convoy.cluster import (DEFAULT_WEIGHTS, INDICATORS, ContributionHistory, Election, IndicatorHistory, NodeProfile,
                             cluster_vectors, load_profile_file, make_plan, parse_weights)
-from convoy.cluster.profile import disk_mbps, profile_job
+from convoy.cluster.profile import MACHINE_INDICATORS, disk_mbps, one_profile_per_machine, profile_job
 from convoy.errors import UsageError
-from tests.helpers import indicator_table
+from tests.helpers import indicator_table, run_workers
 
 FULL = "\n".join(f"{name} = 1" for name in INDICATORS)
 
@@ -184,3 +184,30 @@ def test_nodes_alike_within_the_noise_get_the_same_plan_in_every_run(uplinks, di
     apart = [NodeProfile(r, "h", 2596.0, 23.5, 0.0, 0.0, 500.0, 50.0 if r % 2 else 1000.0,
                          noise={"uplink_mbps": 0.3}) for r in range(4)]
     assert make_plan(apart, DEFAULT_WEIGHTS, clusters=clusters).clusters == [[0, 2], [1, 3]]
+
+
+def _local_profiles(rank: int, world: int) -> list[dict]:
+    return [p.as_dict() for p in profile_job()]
+
+
+@pytest.mark.timeout(120)
+def test_ranks_on_one_machine_share_its_measured_indicators_so_a_local_job_is_planned_alike():
+    # Measured per process, four local ranks' uplinks differed by the machine's load of the moment,
+    # enough (at a load of 15 on 2 cores) to split one local job's ranks otherwise than the next run's.
+    first, *others = run_workers(_local_profiles, 4)
+    assert all(other == first for other in others)
+    machine = [{name: p[name] for name in MACHINE_INDICATORS} for p in first]
+    assert all(m == machine[0] for m in machine) and machine[0]["uplink_mbps"] > 0
+    plan = make_plan([NodeProfile(**{k: v for k, v in p.items()}) for p in first], DEFAULT_WEIGHTS, 2)
+    assert plan.clusters == [[0, 1], [2, 3]]
+
+
+def test_a_machines_lowest_rank_speaks_for_it_but_a_profile_file_sets_ranks_apart():
+    profiles = [NodeProfile(0, "h", cpu_mhz=2000.0, uplink_mbps=900.0),
+                NodeProfile(1, "h", cpu_mhz=1900.0, uplink_mbps=48.0, from_file=("uplink_mbps",)),
+                NodeProfile(2, "g", cpu_mhz=1000.0, uplink_mbps=100.0, noise={"uplink_mbps": 0.1}),
+                NodeProfile(3, "g", cpu_mhz=1100.0, uplink_mbps=120.0)]
+    one_profile_per_machine(profiles, ["h/1", "h/1", "g/1", "g/1"])
+    assert [p.cpu_mhz for p in profiles] == [2000.0, 2000.0, 1000.0, 1000.0]
+    assert [p.uplink_mbps for p in profiles] == [900.0, 48.0, 100.0, 100.0]
+    assert profiles[3].noise == {"uplink_mbps": 0.1}
