@@ -264,7 +264,7 @@ def test_powersgd_state_holds_its_warm_start_and_residual():
 
 # ------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("name, options, words", [
-    ("blocktop", {}, "choose one of: blocktopk, topk, fp16, powersgd, torch-powersgd"),
+    ("blocktop", {}, "choose one of: fp16, blocktopk, topk, powersgd, torch-powersgd"),
     ("topk", {"block_fraction": 0.1}, "takes no option block_fraction; it takes: element_fraction, warmup_steps"),
     ("blocktopk", {"block_fraction": 2.0}, "fraction must be in (0, 1]"),
     ("powersgd", {"start_iter": 1}, "takes no option start_iter; it takes: rank, warmup_steps"),
