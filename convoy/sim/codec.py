@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from convoy.compress import DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, DEFAULT_POWERSGD_RANK, compressor_spec
+from convoy.compress import (DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, DEFAULT_ELEMENT_FRACTION, DEFAULT_POWERSGD_RANK,
+                             compressor_spec)
 from convoy.compress.blocks import BlockLayout
 from convoy.compress.powersgd import PowerSGDCompressor
 from convoy.compress.topk import kept_count
@@ -45,7 +46,7 @@ class Compression:
     """
 
     name: str = "none"
-    fraction: float = 0.01
+    fraction: float = DEFAULT_ELEMENT_FRACTION
     blocks_per_layer: int | None = None
     block_fraction: float | None = None
     selection: str = "local"

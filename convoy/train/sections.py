@@ -283,7 +283,8 @@ class CompressConfig:
                              "measurement: vgg_fc ended nearer dense, docs/compression.md)")
     block_selection: str = _opt("local", "blocktopk: local (each rank its own blocks, all-gathered) or "
                                 "global (scores summed, the same blocks on every rank, all-reduced)")
-    element_fraction: float = _opt(DEFAULT_ELEMENT_FRACTION, "topk, randomk: fraction of each layer's elements sent, in (0, 1]")
+    element_fraction: float = _opt(DEFAULT_ELEMENT_FRACTION,
+                                   "topk, randomk: fraction of each layer's elements sent, in (0, 1]")
     warmup_steps: int | None = _opt(None, "warm-up: blocktopk --block-fraction, topk and randomk send 25%% of "
                                     "each layer at step 0, decaying exponentially to their own share at step "
                                     "N; other compressors send the first N steps uncompressed (default: "

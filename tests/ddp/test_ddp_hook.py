@@ -280,7 +280,7 @@ def test_bad_hook_names_and_options_are_one_line_value_errors(name, options, wor
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("args, words", [(["blocktop"], "choose one of: blocktopk"),
+@pytest.mark.parametrize("args, words", [(["blocktop"], "choose one of: fp16, blocktopk"),
                                          (["powersgd", "start_iter=3"], "it takes: rank, warmup_steps")])
 def test_the_example_refuses_a_bad_hook_with_one_line_and_status_2(args, words):
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "ddp_comm_hook.py"), *args],
