@@ -59,7 +59,7 @@ from convoy.checkpoint import CheckpointSettings, start_checkpointing  # noqa: E
 from convoy.checkpoint.fsinfo import fs_info  # noqa: E402
 from convoy.checkpoint.recovery import read_updates, replay_updates, restore_model, restore_points, scan  # noqa: E402
 from convoy.checkpoint.store import Store  # noqa: E402
-from convoy.compress import COMPRESS_NAMES, build_compressor  # noqa: E402
+from convoy.compress import build_compressor, compressor_names  # noqa: E402
 from convoy.engine import Engine  # noqa: E402
 from convoy.sync import AllReduce  # noqa: E402
 from convoy.utils.atomic import save_atomically  # noqa: E402
@@ -253,7 +253,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="times each mode runs, round-robin")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoints are written")
     parser.add_argument("--tag", default="", help="suffix of the result files' name (a paired run of a few modes)")
-    parser.add_argument("--compress", default="none", choices=COMPRESS_NAMES,
+    parser.add_argument("--compress", default="none", choices=compressor_names(),
                         help="compress the exchange (with error feedback); convoy then writes differential checkpoints")
     parser.add_argument("--modes", nargs="+", choices=MODES + ("convoy_full",),
                         help="run only these modes (and none, the baseline); default: all")

@@ -39,21 +39,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-from convoy.compress import Compressor, Memory, build_compressor
+from convoy.compress import Compressor, Memory, build_compressor, compressor_names, compressor_spec
 from convoy.core.sync import PendingSync
 from convoy.errors import UsageError
 from convoy.sync import AllReduce
 
 # What comm_hook returns: DDP's (state, hook) pair.
 HookPair = tuple[Any, Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]]
-# Each convoy hook's options besides process_group and warmup_steps, by the hook's name for
-# them -> build_compressor's argument (the compressor's defaults stay build_compressor's).
-_CONVOY_OPTIONS: dict[str, dict[str, str]] = {
-    "blocktopk": {o: o for o in ("block_fraction", "blocks_per_layer", "block_metric", "block_selection")},
-    "topk": {"element_fraction": "element_fraction"},
-    "fp16": {},
-    "powersgd": {"rank": "powersgd_rank"},
-}
 # convoy's names for torch's PowerSGDState arguments.
 _TORCH_POWERSGD_OPTIONS = {
     "rank": "matrix_approximation_rank",
@@ -63,7 +55,19 @@ _TORCH_POWERSGD_OPTIONS = {
     "warm_start": "warm_start",
     "random_seed": "random_seed",
 }
-HOOK_NAMES: tuple[str, ...] = (*_CONVOY_OPTIONS, "torch-powersgd")
+
+
+def hook_names() -> tuple[str, ...]:
+    """Every name :func:`comm_hook` takes: the registered compressors offered as hooks
+    (their ``CompressorSpec.hook_options``), then torch's PowerSGD hook."""
+    return (*_hook_options(), "torch-powersgd")
+
+
+def _hook_options() -> dict[str, dict[str, str]]:
+    # Each convoy hook's options besides process_group and warmup_steps: the hook's name for
+    # them -> build_compressor's (the compressor's defaults stay its registered builder's).
+    return {name: dict(spec.hook_options) for name in compressor_names()
+            if (spec := compressor_spec(name)).hook_options is not None}
 
 
 class CompressedHookState:
@@ -289,7 +293,8 @@ def comm_hook(name: str, *, process_group: dist.ProcessGroup | None = None,
     buckets); every state has ``state_dict()`` / ``load_state_dict()``, per rank.
 
     Args:
-        name: ``"blocktopk"``, ``"topk"``, ``"fp16"`` and ``"powersgd"`` run convoy's
+        name: one of :func:`hook_names`. ``"blocktopk"``, ``"topk"``, ``"fp16"`` and ``"powersgd"``
+            (and any registered compressor with ``hook_options``) run convoy's
             compressors with error feedback (powersgd: warm-started power
             iteration, as ``convoy train --compress powersgd``);
             ``"torch-powersgd"`` is torch's own PowerSGD hook
@@ -317,9 +322,10 @@ def comm_hook(name: str, *, process_group: dist.ProcessGroup | None = None,
     """
     if name == "torch-powersgd":
         return _torch_powersgd(process_group, options)
-    if name not in _CONVOY_OPTIONS:
-        raise UsageError(f"unknown comm hook {name!r}; choose one of: {', '.join(HOOK_NAMES)}")
-    names = _CONVOY_OPTIONS[name]
+    hooks = _hook_options()
+    if name not in hooks:
+        raise UsageError(f"unknown comm hook {name!r}; choose one of: {', '.join(hook_names())}")
+    names = hooks[name]
     _check_options(name, options, (*names, "warmup_steps"))
     warmup_steps = options.pop("warmup_steps", 0)
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -349,4 +355,4 @@ def _check_options(name: str, options: dict[str, Any], allowed: tuple[str, ...])
                          f"it takes: {', '.join(allowed) or 'none'} (and process_group)")
 
 
-__all__ = ["HOOK_NAMES", "CompressedHookState", "TorchPowerSGDState", "comm_hook", "compressed_hook"]
+__all__ = ["CompressedHookState", "TorchPowerSGDState", "comm_hook", "compressed_hook", "hook_names"]

@@ -5,7 +5,7 @@ Run on two local processes (gloo on CPU, NCCL with GPUs):
     torchrun --standalone --nproc-per-node 2 examples/ddp_comm_hook.py powersgd rank=4
     torchrun --standalone --nproc-per-node 2 examples/ddp_comm_hook.py torch-powersgd rank=4   # torch's hook
     torchrun --standalone --nproc-per-node 2 examples/ddp_comm_hook.py none        # DDP's own all-reduce
-The first argument is a name of convoy.ddp.HOOK_NAMES (or none); the others are the hook's
+The first argument is a name of convoy.ddp.hook_names() (or none); the others are the hook's
 options as key=value; --epochs sets the length (22 steps an epoch on two processes).
 A hook name or option that does not exist: one line naming the valid ones, exit status 2.
 """
@@ -32,7 +32,7 @@ def parse_option(text: str) -> tuple[str, object]:
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("hook", nargs="?", default="blocktopk",
-                    help=f"{', '.join(convoy.ddp.HOOK_NAMES)} or none (DDP's own all-reduce)")
+                    help=f"{', '.join(convoy.ddp.hook_names())} or none (DDP's own all-reduce)")
 parser.add_argument("options", nargs="*", help="the hook's options, key=value")
 parser.add_argument("--epochs", type=int, default=40)
 args = parser.parse_args()

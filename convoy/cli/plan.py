@@ -98,11 +98,11 @@ def train_flags() -> set[str]:
 
 def train_choices() -> dict[str, tuple[str, ...]]:
     """The values ``--sync``, ``--compress`` and ``--parallel`` accept in this convoy."""
-    from convoy.compress import COMPRESS_NAMES
+    from convoy.compress import compressor_names
     from convoy.parallel import PARALLEL_NAMES
     from convoy.sync import SYNC_NAMES
 
-    return {"--sync": SYNC_NAMES, "--compress": COMPRESS_NAMES, "--parallel": PARALLEL_NAMES}
+    return {"--sync": SYNC_NAMES, "--compress": compressor_names(), "--parallel": PARALLEL_NAMES}
 
 
 def available(flags: list[str], known: set[str], choices: dict[str, tuple[str, ...]]) -> bool:

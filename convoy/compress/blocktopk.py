@@ -6,8 +6,9 @@ from typing import Any
 import torch
 
 from convoy.compress import rle
-from convoy.compress.base import Compressor, LayerInfo, Payload, Support
+from convoy.compress.base import Compressor, LayerInfo, Memory, Payload, ResidualMemory, Support
 from convoy.compress.blocks import METRICS, BlockLayout
+from convoy.compress.registry import CompressorSpec, register
 
 SELECTIONS = ("local", "global")
 # The defaults convoy train and the DDP hooks use (chosen by measurement on vgg_fc, docs/compression.md):
@@ -125,3 +126,18 @@ class BlockTopKCompressor(Compressor):
             return None
         layout, dtype, density = ctx
         return rle.max_encoded_bytes(layout, layout.kept_counts(self.blocks_per_layer, self.fraction, density), dtype)
+
+
+def _build(blocks_per_layer: int | None = None, block_fraction: float | None = None,
+           block_metric: str = DEFAULT_METRIC, block_selection: str = "local",
+           block_size: int | None = DEFAULT_BLOCK_SIZE, dense_below: int = DEFAULT_DENSE_BELOW,
+           ) -> tuple[Compressor, Memory]:
+    return (BlockTopKCompressor(blocks_per_layer, block_fraction, block_metric, block_selection, block_size,
+                                dense_below), ResidualMemory())
+
+
+register(CompressorSpec(
+    "blocktopk", _build,
+    options=("blocks_per_layer", "block_fraction", "block_metric", "block_selection", "block_size", "dense_below"),
+    sparse=True, momentum_corrected=True,
+    hook_options={o: o for o in ("block_fraction", "blocks_per_layer", "block_metric", "block_selection")}))

@@ -5,7 +5,8 @@ from typing import Any
 
 import torch
 
-from convoy.compress.base import Compressor, LayerInfo, Payload
+from convoy.compress.base import Compressor, LayerInfo, Memory, Payload, ResidualMemory
+from convoy.compress.registry import CompressorSpec, register
 
 FP16_MAX = torch.finfo(torch.float16).max   # 65504
 
@@ -48,3 +49,12 @@ class FP16Compressor(Compressor):
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         return payload[0].to(ctx)
+
+
+def _build() -> tuple[Compressor, Memory]:
+    return FP16Compressor(), ResidualMemory()
+
+
+# Momentum-corrected: its gradients pass the local clipping too (vgg_fc at --lr 0.02: a spike to 29x the
+# usual norm around step 45 sent dense and fp16 runs to chance for good; clipped per layer, fp16 reached 97%).
+register(CompressorSpec("fp16", _build, momentum_corrected=True, hook_options={}))

@@ -5,7 +5,8 @@ from typing import Any
 
 import torch
 
-from convoy.compress.base import Compressor, LayerInfo, Payload
+from convoy.compress.base import Compressor, LayerInfo, Memory, NoMemory, Payload
+from convoy.compress.registry import CompressorSpec, register
 
 
 class IdentityCompressor(Compressor):
@@ -17,3 +18,10 @@ class IdentityCompressor(Compressor):
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         return payload[0]
+
+
+def _build() -> tuple[Compressor, Memory]:
+    return IdentityCompressor(), NoMemory()
+
+
+register(CompressorSpec("none", _build))

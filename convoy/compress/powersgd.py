@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from convoy.compress.base import Compressor, LayerInfo, Payload
+from convoy.compress.base import Compressor, LayerInfo, Memory, Payload, ResidualMemory
+from convoy.compress.registry import CompressorSpec, register
 
 
 # Columns of the factors unless told otherwise: rank 2 ended further below dense on vgg_fc than 4
@@ -268,3 +269,11 @@ class PowerSGDCompressor(Compressor):
         plan = self._plan(tuple(tuple(s) for s in shapes))
         first = sum(s.rows * self.rank for s in plan if s.low_rank)
         return first, sum(s.cols * self.rank if s.low_rank else s.numel for s in plan)
+
+
+def _build(powersgd_rank: int = DEFAULT_RANK) -> tuple[Compressor, Memory]:
+    return PowerSGDCompressor(powersgd_rank), ResidualMemory()
+
+
+register(CompressorSpec("powersgd", _build, options=("powersgd_rank",), momentum_corrected=True,
+                        hook_options={"rank": "powersgd_rank"}))

@@ -6,8 +6,9 @@ from typing import Any
 
 import torch
 
-from convoy.compress.base import Compressor, LayerInfo, Payload
-from convoy.compress.topk import kept_count, ramped
+from convoy.compress.base import Compressor, LayerInfo, Memory, Payload, ResidualMemory
+from convoy.compress.registry import CompressorSpec, register
+from convoy.compress.topk import DEFAULT_ELEMENT_FRACTION, kept_count, ramped
 
 
 class RandomKCompressor(Compressor):
@@ -31,7 +32,7 @@ class RandomKCompressor(Compressor):
     summable = True
     local = True   # the selection is seeded by the step: every rank draws it alone
 
-    def __init__(self, fraction: float = 0.01, seed: int = 0):
+    def __init__(self, fraction: float = DEFAULT_ELEMENT_FRACTION, seed: int = 0):
         kept_count(1, fraction)
         self.fraction, self.seed = fraction, seed
         self.density = fraction
@@ -50,3 +51,11 @@ class RandomKCompressor(Compressor):
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         indices, numel = ctx
         return payload[0].new_zeros(numel).index_put_((indices,), payload[0])
+
+
+def _build(element_fraction: float = DEFAULT_ELEMENT_FRACTION) -> tuple[Compressor, Memory]:
+    return RandomKCompressor(element_fraction), ResidualMemory()
+
+
+# Not offered as a DDP communication hook (convoy.ddp never offered it).
+register(CompressorSpec("randomk", _build, options=("element_fraction",), sparse=True, momentum_corrected=True))

@@ -5,7 +5,11 @@ from typing import Any
 
 import torch
 
-from convoy.compress.base import Compressor, LayerInfo, Payload
+from convoy.compress.base import Compressor, LayerInfo, Memory, Payload, ResidualMemory
+from convoy.compress.registry import CompressorSpec, register
+
+# The share of elements topk and randomk send unless told (convoy train's --element-fraction).
+DEFAULT_ELEMENT_FRACTION = 0.01
 
 
 def kept_count(numel: int, fraction: float) -> int:
@@ -39,7 +43,7 @@ class TopKCompressor(Compressor):
     summable = False
     local = True
 
-    def __init__(self, fraction: float = 0.01):
+    def __init__(self, fraction: float = DEFAULT_ELEMENT_FRACTION):
         kept_count(1, fraction)
         self.fraction = self.density = fraction
 
@@ -62,3 +66,11 @@ class TopKCompressor(Compressor):
     def max_payload_bytes(self, ctx: Any) -> int | None:
         numel, dtype, fraction = ctx
         return kept_count(numel, fraction) * (dtype.itemsize + 4)  # values and int32 indices
+
+
+def _build(element_fraction: float = DEFAULT_ELEMENT_FRACTION) -> tuple[Compressor, Memory]:
+    return TopKCompressor(element_fraction), ResidualMemory()
+
+
+register(CompressorSpec("topk", _build, options=("element_fraction",), sparse=True, momentum_corrected=True,
+                        hook_options={"element_fraction": "element_fraction"}))

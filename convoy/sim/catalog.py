@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from convoy.errors import UsageError
-from convoy.sim.codec import DEFAULT_BLOCK_SIZE, DEFAULT_POWERSGD_RANK, Compression
+from convoy.sim.codec import DEFAULT_BLOCK_SIZE, DEFAULT_ELEMENT_FRACTION, DEFAULT_POWERSGD_RANK, Compression
 from convoy.sim.cpu import CpuCosts
 from convoy.sim.strategies import ClusterCycles, ConvFcSplit, LayerRing, ServerShards, Strategy, TorchDDP
 
@@ -24,7 +24,7 @@ class Knobs:
         'allreduce topk 0.001'
     """
 
-    element_fraction: float = 0.01
+    element_fraction: float = DEFAULT_ELEMENT_FRACTION
     blocks_per_layer: int | None = None
     block_fraction: float | None = None
     block_selection: str = "local"

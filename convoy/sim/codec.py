@@ -9,12 +9,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from convoy.compress import DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, DEFAULT_POWERSGD_RANK
+from convoy.compress import (DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, DEFAULT_ELEMENT_FRACTION, DEFAULT_POWERSGD_RANK,
+                             compressor_spec)
 from convoy.compress.blocks import BlockLayout
 from convoy.compress.powersgd import PowerSGDCompressor
 from convoy.compress.topk import kept_count
 from convoy.errors import UsageError
 
+# The registered compressors (convoy.compress.compressor_names()) this module has a wire model of:
+# the methods below are each one's own arithmetic, so a new compressor is modelled here by hand.
 COMPRESSORS = ("none", "fp16", "randomk", "topk", "blocktopk", "powersgd")
 # The density a sparse compressor's warm-up starts from (convoy.sync.allreduce.WARMUP_START_DENSITY).
 RAMP_START = 0.25
@@ -43,7 +46,7 @@ class Compression:
     """
 
     name: str = "none"
-    fraction: float = 0.01
+    fraction: float = DEFAULT_ELEMENT_FRACTION
     blocks_per_layer: int | None = None
     block_fraction: float | None = None
     selection: str = "local"
@@ -53,7 +56,9 @@ class Compression:
 
     def __post_init__(self) -> None:
         if self.name not in COMPRESSORS:
-            raise UsageError(f"unknown compressor {self.name!r}; choose one of: {', '.join(COMPRESSORS)}")
+            compressor_spec(self.name)   # not registered: the registry's one line naming the compressors
+            raise UsageError(f"the simulator has no model of compressor {self.name!r}; it models: "
+                             f"{', '.join(COMPRESSORS)}")
         if not 0 < self.fraction <= 1 or (self.block_fraction is not None and not 0 < self.block_fraction <= 1):
             raise UsageError("compression fractions must be in (0, 1]")
         if (self.block_size is not None and self.block_size < 1) or self.rank < 1:

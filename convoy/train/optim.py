@@ -43,14 +43,14 @@ def supported_kwargs(optimizer_class: type, **candidates: Any) -> dict[str, Any]
 
 def corrects_momentum(config: TrainConfig) -> bool:
     """Whether ``config`` trains with momentum correction: SGD with momentum and a sparse, low-rank or fp16
-    compressor (``MOMENTUM_CORRECTED_NAMES``).
+    compressor (``convoy.compress.momentum_corrected_names()``).
 
     The workers then keep the momentum (and weight decay) in their error-feedback
     memory, and the layer optimizers step without either.
     """
-    from convoy.compress import MOMENTUM_CORRECTED_NAMES
+    from convoy.compress import momentum_corrected_names
 
-    return (config.compress.momentum_correction and config.compress.name in MOMENTUM_CORRECTED_NAMES
+    return (config.compress.momentum_correction and config.compress.name in momentum_corrected_names()
             and config.optim.name == "sgd" and config.optim.momentum > 0)
 
 
@@ -78,7 +78,7 @@ def build_compression(config: TrainConfig, workers: int) -> tuple[Any, Any]:
     The same objects serve every strategy: all-reduce and hierarchical exchange
     their payloads, a parameter-server worker pushes them.
     """
-    from convoy.compress import SPARSE_NAMES, MomentumCorrection, build_compressor
+    from convoy.compress import MomentumCorrection, build_compressor, compressor_spec
 
     compress = config.compress
     compressor, memory = build_compressor(
@@ -89,7 +89,7 @@ def build_compression(config: TrainConfig, workers: int) -> tuple[Any, Any]:
     if corrects_momentum(config):
         # Masking zeroes the momentum of values sent whole; a low-rank payload sends part of every value.
         memory = MomentumCorrection(config.optim.momentum, compress.clip_norm, workers, config.optim.weight_decay,
-                                    masking=compress.momentum_masking and compress.name in SPARSE_NAMES)
+                                    masking=compress.momentum_masking and compressor_spec(compress.name).sparse)
     return compressor, memory
 
 

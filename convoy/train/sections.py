@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from convoy.compress import (DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, DEFAULT_METRIC, DEFAULT_POWERSGD_RANK,
-                             MOMENTUM_CORRECTED_NAMES)
+from convoy.compress import (DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, DEFAULT_ELEMENT_FRACTION, DEFAULT_METRIC,
+                             DEFAULT_POWERSGD_RANK, compressor_names, momentum_corrected_names,
+                             sparse_names)
 from convoy.errors import UsageError
 from convoy.ps.settings import DEFAULT_CHANNELS, DEFAULT_CREDIT_KB, DEFAULT_SLICE_KB
 from convoy.train.checks import (MAX_BATCH_SIZE, MAX_COUNT, MAX_SAMPLE_ELEMENTS, MAX_SEED, MAX_TIMEOUT_S, at_least,
@@ -273,7 +274,7 @@ class SyncConfig:
 class CompressConfig:
     """Gradient compression and error feedback."""
 
-    name: str = _opt("none", "gradient compressor: none, fp16, blocktopk, topk, randomk, powersgd", flag="compress")
+    name: str = _opt("none", f"gradient compressor: {', '.join(compressor_names())}", flag="compress")
     blocks_per_layer: int | None = _opt(None, "blocktopk: blocks kept per parameter (default 1; "
                                         "exclusive with --block-fraction)", count=True)
     block_fraction: float | None = _opt(None, "blocktopk: fraction of each parameter's blocks kept, "
@@ -282,7 +283,8 @@ class CompressConfig:
                              "measurement: vgg_fc ended nearer dense, docs/compression.md)")
     block_selection: str = _opt("local", "blocktopk: local (each rank its own blocks, all-gathered) or "
                                 "global (scores summed, the same blocks on every rank, all-reduced)")
-    element_fraction: float = _opt(0.01, "topk, randomk: fraction of each layer's elements sent, in (0, 1]")
+    element_fraction: float = _opt(DEFAULT_ELEMENT_FRACTION,
+                                   "topk, randomk: fraction of each layer's elements sent, in (0, 1]")
     warmup_steps: int | None = _opt(None, "warm-up: blocktopk --block-fraction, topk and randomk send 25%% of "
                                     "each layer at step 0, decaying exponentially to their own share at step "
                                     "N; other compressors send the first N steps uncompressed (default: "
@@ -300,19 +302,19 @@ class CompressConfig:
     momentum_masking: bool = _opt(False, "with momentum correction and a sparse compressor: zero the velocity "
                                   "where a value that had waited is sent (DGC's momentum factor masking; off by "
                                   "default: it slowed vgg_fc's start, docs/compression.md)")
-    momentum_correction: bool = _opt(True, f"{', '.join(MOMENTUM_CORRECTED_NAMES)} with sgd and --momentum > 0: "
+    momentum_correction: bool = _opt(True, f"{', '.join(momentum_corrected_names())} with sgd and --momentum > 0: "
                                      "accumulate the velocity on each worker and compress that (error feedback "
                                      "on the velocity), applying the average without the optimizer's momentum")
     clip_norm: float = _opt(5.0, "with momentum correction: clip each layer's local gradient to this L2 "
                             "norm / sqrt(workers) before accumulating it")
-    sparse_lr_scale: float = _opt(1.2, "blocktopk, topk, randomk without --lr: the model's default rate times "
+    sparse_lr_scale: float = _opt(1.2, f"{', '.join(sparse_names())} without --lr: the model's default rate times "
                                   "this (a sparse update arrives late; 1.2 measured on vgg_fc, docs/compression.md)")
 
     def validate(self) -> CompressConfig:
-        from convoy.compress import COMPRESS_NAMES, METRICS, SELECTIONS
+        from convoy.compress import METRICS, SELECTIONS
 
         check_fields(self)
-        one_of("compress", self.name, COMPRESS_NAMES)
+        one_of("compress", self.name, compressor_names())
         if self.blocks_per_layer is not None:
             at_least("blocks_per_layer", self.blocks_per_layer, 1)
         if self.block_fraction is not None:
@@ -334,7 +336,7 @@ class CompressConfig:
     def default_lr_scale(self) -> float:
         """What the model's default rate is multiplied by when ``--lr`` is not given: ``sparse_lr_scale``
         for a sparse compressor, else 1."""
-        return self.sparse_lr_scale if self.name in ("blocktopk", "topk", "randomk") else 1.0
+        return self.sparse_lr_scale if self.name in sparse_names() else 1.0
 
     def warmup(self) -> int:
         """``--warmup-steps``, or its default: a density ramp for a compressor that sends a share."""
@@ -388,7 +390,7 @@ class CheckpointConfig:
                       flag="checkpoint_every")
     budget: float = _opt(0.03, "--checkpoint-every auto, --checkpoint-full-every auto: the share of step "
                          "time checkpoints may cost, in (0, 0.5]", flag="checkpoint_budget")
-    full_every: str | int = _opt("auto", "with a sparse compressor (blocktopk, topk, randomk): a full snapshot "
+    full_every: str | int = _opt("auto", f"with a sparse compressor ({', '.join(sparse_names())}): a full snapshot "
                                  "every N checkpoints, the exchanged update in between (1: always full), or "
                                  "auto: measure the first full snapshot, then the fewest checkpoints between "
                                  "full ones (10 to 100) that keep within --checkpoint-budget; a resume may "

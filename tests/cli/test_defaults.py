@@ -13,9 +13,11 @@ import re
 import pytest
 
 from convoy.cli.main import build_parser
-from convoy.compress import (DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, DEFAULT_METRIC, DEFAULT_POWERSGD_RANK,
-                             BlockTopKCompressor, PowerSGDCompressor, build_compressor)
+from convoy.compress import (DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, DEFAULT_ELEMENT_FRACTION, DEFAULT_METRIC,
+                             DEFAULT_POWERSGD_RANK, BlockTopKCompressor, PowerSGDCompressor, build_compressor)
 from convoy.ps.settings import DEFAULT_CHANNELS, DEFAULT_CREDIT_KB, DEFAULT_SLICE_KB, PSSettings
+from convoy.sim.catalog import Knobs
+from convoy.sim.codec import Compression
 from convoy.train.config import settings_by_name
 
 
@@ -43,6 +45,9 @@ def test_the_library_builds_what_convoy_train_builds():
         settings["block_metric"].default, settings["block_size"].default, settings["dense_below"].default)
     assert BlockTopKCompressor().metric == settings["block_metric"].default
     assert build_compressor("powersgd")[0].rank == PowerSGDCompressor().rank == settings["powersgd_rank"].default
+    for name in ("topk", "randomk"):
+        assert build_compressor(name)[0].fraction == settings["element_fraction"].default == DEFAULT_ELEMENT_FRACTION
+    assert Compression("topk").fraction == Knobs().element_fraction == DEFAULT_ELEMENT_FRACTION
 
 
 @pytest.mark.parametrize("flag, value", [("credit_kb", DEFAULT_CREDIT_KB), ("slice_kb", DEFAULT_SLICE_KB),

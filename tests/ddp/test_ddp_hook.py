@@ -265,7 +265,7 @@ def test_powersgd_state_holds_its_warm_start_and_residual():
 
 # ------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("name, options, words", [
-    ("blocktop", {}, "choose one of: blocktopk, topk, fp16, powersgd, torch-powersgd"),
+    ("blocktop", {}, "choose one of: fp16, blocktopk, topk, powersgd, torch-powersgd"),
     ("topk", {"block_fraction": 0.1}, "takes no option block_fraction; it takes: element_fraction, warmup_steps"),
     ("blocktopk", {"block_fraction": 2.0}, "fraction must be in (0, 1]"),
     ("powersgd", {"start_iter": 1}, "takes no option start_iter; it takes: rank, warmup_steps"),
@@ -281,7 +281,7 @@ def test_bad_hook_names_and_options_are_one_line_value_errors(name, options, wor
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("args, words", [(["blocktop"], "choose one of: blocktopk"),
+@pytest.mark.parametrize("args, words", [(["blocktop"], "choose one of: fp16, blocktopk"),
                                          (["powersgd", "start_iter=3"], "it takes: rank, warmup_steps")])
 def test_the_example_refuses_a_bad_hook_with_one_line_and_status_2(args, words):
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "ddp_comm_hook.py"), *args],
