@@ -223,7 +223,11 @@ class CheckpointListener(Listener):
         self._model_gen, self._rank_gen = model_generation, rank_generation
         self._last_rank_step = max(rank_store.committed_steps(), default=-1) if rank_store else -1
         self._last_model_step = max(model_store.committed_steps(), default=-1) if model_store else -1
-        self._publish(self._last_model_step)
+        # What the other machines' writers wait for is the step this file can restore, its log
+        # included, as a local peer reads it (PeerFile): resumed inside a log, the snapshot's step
+        # alone would hold every writer of a job that writes rank files each step (PowerSGD)
+        # waiting for the others' model files at its first checkpoint, until --timeout.
+        self._publish(committed_step(model_store.path) if model_store is not None else -1)
         self._timeout = peer_timeout_s
         self._full_names = full_names
         # What the records say of the job (its world size, global batch): a resume on another world reads it.
