@@ -304,7 +304,7 @@ def summarize(name: str, failures: list[Failure], records: list[dict[str, Any]],
             "agent_exit_codes": codes, "said": said, "curve": curve}
 
 
-def plot(rows: list[dict[str, Any]], path: Path, target: float) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, target: float, title: str = "") -> None:
     """Accuracy against wall time, one line per run (dashed: with failures), failures marked x."""
     import matplotlib
     matplotlib.use("Agg")
@@ -315,17 +315,25 @@ def plot(rows: list[dict[str, Any]], path: Path, target: float) -> None:
     for row in rows:
         if not row["curve"]:
             continue
-        times, _, accuracy = zip(*row["curve"])
         failing = row["failures"] != "none"
-        line, = ax.plot(times, [100 * a for a in accuracy], linestyle="--" if failing else "-", marker="o",
-                        markersize=2.5, color=colours.get(row["strategy"]),
-                        label=f"{row['strategy']}{', ' + row['failures'] + ' steps a host dies' if failing else ''}")
-        colours.setdefault(row["strategy"], line.get_color())
-        for kill in row["kill_log"]:
-            ax.axvline(kill["at"], color=line.get_color(), linestyle=":", linewidth=0.8)
-            ax.plot([kill["at"]], [100 * target + 1.5], marker="x", color=line.get_color())
+        job = "DDP peer + DCP" if row.get("peer") else "convoy elastic"
+        label = f"{row['strategy']} ({job}){', a host killed ' + row['failures'] if failing else ''}"
+        kills = [kill["at"] for kill in row["kill_log"]]
+        # One line per life of the job: nothing is trained between a kill and the restart.
+        lives = [[p for p in row["curve"] if start <= p[0] < end]
+                 for start, end in zip([0.0, *kills], [*kills, float("inf")])]
+        for life in filter(None, lives):
+            times, _, accuracy = zip(*life)
+            line, = ax.plot(times, [100 * a for a in accuracy], linestyle="--" if failing else "-", marker="o",
+                            markersize=2.5, color=colours.get(row["strategy"]), label=label)
+            colours.setdefault(row["strategy"], line.get_color())
+            label = None
+        for at in kills:
+            ax.axvline(at, color=colours[row["strategy"]], linestyle=":", linewidth=0.8)
+            ax.plot([at], [100 * target + 1.5], marker="x", color=colours[row["strategy"]])
     ax.axhline(100 * target, color="grey", linestyle=":")
     ax.set_ylim(0, 100 * target + 3)
+    ax.set_title(title, fontsize=9)
     ax.set_xlabel("wall time from the agents' start (s); x: a host killed")
     ax.set_ylabel("test accuracy (%)")
     ax.legend(fontsize=7, loc="lower right")
@@ -404,7 +412,9 @@ def main() -> None:
     settings = {**vars(args), "schedule": [asdict(f) for f in failures], "cpus": os.cpu_count(),
                 "load_average_1min": [load_before, os.getloadavg()[0]]}
     save(name, settings, rows, [c.replace("0.95", f"{args.also_target:g}") for c in COLUMNS])
-    plot(rows, RESULTS / f"{name}.png", args.target)
+    plot(rows, RESULTS / f"{name}.png", args.target, title=f"{args.model}, {args.hosts} emulated hosts at {args.rate}, "
+         f"each with {len(os.sched_getaffinity(0)) / args.hosts:g} cores; dashed: a host killed every "
+         f"{args.kill_every} steps")
 
 
 if __name__ == "__main__":
