@@ -315,7 +315,9 @@ def _train_through_failures(name: str) -> Callable[[], str]:
                 continue
             cells.append([r["strategy"], job, failures, seconds(r.get(also), "not reached"), cost(r, also),
                           seconds(r.get("time_to_target_s"), "not reached"), cost(r, "time_to_target_s"),
-                          number(r.get("steps_redone")), number(r.get("restarts")), seconds(r.get("down_s")),
+                          number(r.get("steps_redone")), number(r.get("restarts")),
+                          f"{seconds(r['down_s'])} ({seconds(r['down_s'] / r['kills'])} each)" if r.get("kills")
+                          else "-",
                           percent(r.get("final_accuracy")), number(r.get("hosts_at_end")),
                           "yes" if r.get("clean_exit") else "no"])
         return table(["strategy", "job", "failures", f"time to {settings.get('also_target', 0.95):.0%}",
