@@ -291,6 +291,41 @@ def _versus_peer(*names: str, peer: str = "powersgd") -> Callable[[], str]:
     return render
 
 
+def _train_through_failures(name: str) -> Callable[[], str]:
+    """Each run of bench/train_through_failures.py: times to the two levels, what its failures cost
+    against the same strategy's run without them (its time over that one's), work re-done, time down."""
+    def render() -> str:
+        data = load(name) or {}
+        settings, rows = data.get("settings", {}), data.get("rows", [])
+        also, target = f"time_to_{settings.get('also_target', 0.95):g}_s", settings.get("target", 0.97)
+        calm = {r["strategy"]: r for r in rows if r["failures"] == "none"}
+
+        def cost(row: dict, key: str) -> str:
+            base = calm.get(row["strategy"], {}).get(key)
+            if row["failures"] == "none" or not row.get(key):
+                return "-"
+            return times(row[key] / base) if base else "not reached without failures"
+        cells = []
+        for r in rows:
+            job = "DDP + DCP, torchrun restarts" if r.get("peer") else "convoy, elastic"
+            failures = "none" if r["failures"] == "none" else \
+                f"a host {r['failures']} steps ({r.get('kills', 0)} killed)"
+            if "error" in r:
+                cells.append([r["strategy"], job, failures, f"failed: {r['error']}", *["-"] * 9])
+                continue
+            cells.append([r["strategy"], job, failures, seconds(r.get(also), "not reached"), cost(r, also),
+                          seconds(r.get("time_to_target_s"), "not reached"), cost(r, "time_to_target_s"),
+                          number(r.get("steps_redone")), number(r.get("restarts")),
+                          f"{seconds(r['down_s'])} ({seconds(r['down_s'] / r['kills'])} each)" if r.get("kills")
+                          else "-",
+                          percent(r.get("final_accuracy")), number(r.get("hosts_at_end")),
+                          "yes" if r.get("clean_exit") else "no"])
+        return table(["strategy", "job", "failures", f"time to {settings.get('also_target', 0.95):.0%}",
+                      "vs no failures", f"time to {target:.0%}", "vs no failures", "steps re-done", "restarts",
+                      "time down", "final accuracy", "hosts at the end", "clean exit"], cells)
+    return render
+
+
 def _stop_flag() -> str:
     return table(["variant", "us / step (best)", "median", "check cost us"],
                  [[r["variant"], f"{r['us_per_step_best']:.0f}", f"{r['us_per_step_median']:.0f}",
@@ -570,6 +605,12 @@ BLOCKS: tuple[Block, ...] = (
     Block("ddp_hook_stress", "DDP comm hooks: fresh two-process gloo jobs that must all end cleanly",
           ("ddp_hook_stress",), "python bench/ddp_hook_stress.py --runs 50 --hooks blocktopk powersgd fp16 topk "
           "--timeout 120", "no peer: the bar is zero hangs and aborts", _ddp_hook_stress),
+    Block("train_through_failures", "Training through failures: vgg_fc, 4 hosts at 100 Mbit, a host killed every "
+          "80 steps", ("train_through_failures_vgg_fc_100mbit",),
+          "flock /tmp/convoy-netns.lock python bench/train_through_failures.py --model vgg_fc --kill-every 80",
+          "torch DDP + torch's PowerSGD hook (rank 2) with a DCP checkpoint every 20 steps, restarted by torchrun "
+          "on the full world (the lost host replaced at once), in the same run; and each strategy without failures",
+          _train_through_failures("train_through_failures_vgg_fc_100mbit"), emulated=True),
     Block("stop_flag", "What the stop signal adds to the guard's per-step flag", ("stop_flag",),
           "python bench/stop_flag.py --steps 1000 --rounds 5 --world 2",
           "the loss flag alone (before the stop signal travelled in it)", _stop_flag),

@@ -74,8 +74,9 @@ STRATEGIES: dict[str, list[str]] = {
 DEFAULT_STRATEGIES = [FLOOR, *TUNED_PEERS, "dense", "convoy-powersgd-r4", "blocktopk", "fp16"]
 
 
-def run_strategy(name: str, args: argparse.Namespace, out: Path) -> dict:
-    """One strategy's run on a fresh emulated cluster: its time to target, step time, bytes and curve."""
+def strategy_command(name: str, args: argparse.Namespace, out: Path) -> list[str]:
+    """Strategy ``name``'s command (``train ...`` or ``SCRIPT.py ...``) with the run's flags (``args``:
+    model, lr, batch_size, steps, eval_every, target, warmup_steps, hosts, cluster) and run folder ``out``."""
     common = ["--model", args.model, "--lr", str(args.lr), "--batch-size", str(args.batch_size),
               "--steps", str(args.steps), "--eval-every", str(args.eval_every),
               "--stop-at-accuracy", str(args.target), "--out", str(out)]
@@ -83,7 +84,12 @@ def run_strategy(name: str, args: argparse.Namespace, out: Path) -> dict:
     if own and args.warmup_steps is not None:
         own += ["--warmup-steps", str(args.warmup_steps)]
     placeholders = {LINK_SHARES: lambda: link_shares(args), TENTH_OF_STEPS: lambda: str(max(2, args.steps // 10))}
-    command = [placeholders[word]() if word in placeholders else word for word in STRATEGIES[name]] + common + own
+    return [placeholders[word]() if word in placeholders else word for word in STRATEGIES[name]] + common + own
+
+
+def run_strategy(name: str, args: argparse.Namespace, out: Path) -> dict:
+    """One strategy's run on a fresh emulated cluster: its time to target, step time, bytes and curve."""
+    command = strategy_command(name, args, out)
     result = subprocess.run(launcher(command, args.hosts, args.rate, args.cluster), capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{result.stderr[-3000:]}")
@@ -94,7 +100,7 @@ def run_strategy(name: str, args: argparse.Namespace, out: Path) -> dict:
             "final_accuracy": evals[-1]["test_accuracy"],
             # Steps of a given warm-up are left out of the steady step; a sparse
             # compressor's default ramp is counted (its bytes are part of the run).
-            **step_figures(out, skip=1 + (args.warmup_steps or 0 if own else 0)),
+            **step_figures(out, skip=1 + (args.warmup_steps or 0 if STRATEGIES[name][0] == "train" else 0)),
             "curve": [(e["time"], e["test_accuracy"]) for e in evals]}
 
 

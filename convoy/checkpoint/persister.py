@@ -39,7 +39,7 @@ import torch
 from convoy.checkpoint import difflog
 from convoy.checkpoint.arena import RankArena
 from convoy.checkpoint.difflog import DiffLog, log_path
-from convoy.checkpoint.files import PeerFile, RemoteWriter, model_file, rank_file
+from convoy.checkpoint.files import PeerFile, RemoteWriter, committed_step, model_file, rank_file
 from convoy.checkpoint.format import CommitRecord
 from convoy.checkpoint.snapshot import rank_layout
 from convoy.checkpoint.store import AREAS, Store
@@ -159,7 +159,11 @@ class Persister:
         # one through the job's store, as those on this machine are through their files.
         self._remote = ([RemoteWriter(files.peer_store, w) for w in files.remote_writers]
                         if files.peer_store is not None else [])
-        self._publish(self._last_model_step)
+        # What the other machines' writers wait for is the step this file can restore, its log
+        # included, as a local peer reads it (PeerFile): resumed inside a log, the snapshot's step
+        # alone would hold every writer of a job that writes rank files each step (PowerSGD)
+        # waiting for the others' model files at its first checkpoint, until --timeout.
+        self._publish(committed_step(self.model_store.path) if self.model_store is not None else -1)
         self._log: DiffLog | None = None                    # the differential log being appended to
         self._memory, self._current_step = memory, current_step
         self._arena: RankArena | None = None

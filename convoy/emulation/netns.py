@@ -4,8 +4,8 @@ One "switch" namespace holds a bridge per rack; each host namespace has an
 ``eth0`` whose peer is a port of its rack's bridge; racks are joined by one
 veth pair between their bridges. Every link is shaped in both directions with
 a token-bucket filter (tbf) on the egress of both of its ends. A host slower
-than the others (``Topology.speeds``) runs under a CPU cap
-(:mod:`convoy.emulation.cpu`). A host's TCP congestion control is the
+than the others (``Topology.speeds``), or every host with
+``Topology.own_cores``, runs under a CPU cap (:mod:`convoy.emulation.cpu`). A host's TCP congestion control is the
 machine's unless one is named (it is a setting of each namespace, and how
 well several flows share a shaped link depends on it). Nothing touches the
 machine's own namespace, and everything is removed on exit.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 from typing import Sequence
@@ -96,6 +97,26 @@ class EmulatedCluster:
         # The cap first: `ip netns exec` mounts a fresh /sys, without the cgroup file systems.
         return (cap.prefix() if cap else []) + ["ip", "netns", "exec", self.host_ns(host)]
 
+    def pids(self, host: int) -> list[int]:
+        """The ids of every process running on ``host`` (in its network namespace)."""
+        out = subprocess.run(["ip", "netns", "pids", self.host_ns(host)], capture_output=True, text=True).stdout
+        return [int(pid) for pid in out.split()]
+
+    def kill_host(self, host: int) -> list[int]:
+        """SIGKILL every process on ``host`` at once, as a power cut ends them all; the ids killed.
+
+        A process that ended meanwhile is passed over; the namespace and its links stay, so the
+        host can run processes again (a replacement machine at the same address).
+        """
+        killed = []
+        for pid in self.pids(host):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+        return killed
+
     def __enter__(self) -> "EmulatedCluster":
         check_available()
         try:
@@ -123,13 +144,13 @@ class EmulatedCluster:
             self._link_racks(0, rack)
         for host in range(topo.hosts):
             self._add_host(host)
-        self._cap_slow_hosts()
+        self._cap_hosts()
 
-    def _cap_slow_hosts(self) -> None:
+    def _cap_hosts(self) -> None:
         share = len(os.sched_getaffinity(0)) / self.topology.hosts   # an even share of the cores
         for host in range(self.topology.hosts):
-            speed = self.topology.relative_speed(host)
-            if speed < 1:
+            if self.topology.capped(host):
+                speed = self.topology.relative_speed(host)
                 self.caps[host] = CpuCap(f"{self.tag}-h{host}", speed * share).__enter__()
 
     def _add_host(self, host: int) -> None:

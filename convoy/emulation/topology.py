@@ -46,7 +46,11 @@ class Topology:
     fastest: a host of speed 0.25 next to hosts of speed 1 gets a quarter of
     their share of the machine's cores (a straggler). ``host_rates`` (optional,
     one per host, bits/s) gives hosts links of their own rates instead of
-    ``host_rate`` (a host on a slower link).
+    ``host_rate`` (a host on a slower link). ``own_cores`` caps every host at
+    its even share of the cores, as if each were a machine of its own: the
+    hosts then cannot lend each other CPU, and a host that is lost takes its
+    share with it (without it, the survivors of a failure get the lost host's
+    cores, which no real cluster gives them).
 
     Example::
 
@@ -64,6 +68,7 @@ class Topology:
     inter_rack_rate: float | None = None
     speeds: tuple[float, ...] = field(default=())
     host_rates: tuple[float, ...] = field(default=())
+    own_cores: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.hosts <= 250:
@@ -82,6 +87,10 @@ class Topology:
     def rate_of(self, host: int) -> float:
         """The rate of ``host``'s link, bits/s."""
         return self.host_rates[host] if self.host_rates else self.host_rate
+
+    def capped(self, host: int) -> bool:
+        """Whether ``host`` runs under a CPU cap (slower than the fastest, or every host with ``own_cores``)."""
+        return self.own_cores or self.relative_speed(host) < 1
 
     def relative_speed(self, host: int) -> float:
         """``host``'s compute speed against the fastest host's (1.0 without ``speeds``)."""

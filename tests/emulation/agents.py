@@ -10,12 +10,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from convoy.emulation import EmulatedCluster
+from convoy.emulation.agents import agent_command, agent_environment
 from tests.helpers import importable, require_timeout
 
 needs_namespaces = pytest.mark.skipif(
@@ -23,13 +23,11 @@ needs_namespaces = pytest.mark.skipif(
     or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0,
     reason="emulated hosts need root and `ip netns` (iproute2)")
 
-RDZV_PORT = 29400   # in the first host's namespace: its own port space
-
 
 def start_agent(hosts: EmulatedCluster, host: int, cwd: Path, run_id: str, entry: list[str], *, nnodes: str = "2",
                 agent: tuple[str, ...] = (), rdzv_conf: str = "", env: dict[str, str] | None = None,
                 gloo_interface: str | None = "eth0") -> subprocess.Popen:
-    """Start ``torchrun ... entry`` with one worker on ``host``, c10d rendezvous served by host 0's agent.
+    """Start ``torchrun ... entry`` with one worker on ``host`` (see :func:`convoy.emulation.agents.agent_command`).
 
     Args:
         run_id: the rendezvous id (one per job).
@@ -41,18 +39,8 @@ def start_agent(hosts: EmulatedCluster, host: int, cwd: Path, run_id: str, entry
         gloo_interface: GLOO_SOCKET_IFNAME, or None to leave it unset.
     """
     require_timeout("starts torchrun agents")
-    first = hosts.topology.address(0)
-    environ = {key: value for key, value in os.environ.items()
-               if key not in ("GLOO_SOCKET_IFNAME", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}
-    environ.update(importable(cwd), TORCH_CPP_LOG_LEVEL="ERROR", **(env or {}))
-    if gloo_interface:
-        environ["GLOO_SOCKET_IFNAME"] = gloo_interface
-    # The first host serves the rendezvous: torchrun guesses so only from the machine's host name.
-    conf = ",".join(filter(None, [f"is_host={int(host == 0)}", rdzv_conf]))
-    argv = [*hosts.exec_prefix(host), sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes,
-            "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{first}:{RDZV_PORT}",
-            "--rdzv-id", run_id, "--local-addr", hosts.topology.address(host), *agent,
-            "--rdzv-conf", conf, *entry]
+    argv = agent_command(hosts, host, run_id, entry, nnodes=nnodes, agent=agent, rdzv_conf=rdzv_conf)
+    environ = agent_environment({**importable(cwd), **(env or {})}, gloo_interface)
     return subprocess.Popen(argv, cwd=cwd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 

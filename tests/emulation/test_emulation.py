@@ -5,6 +5,8 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -142,7 +144,6 @@ def test_a_straggler_from_the_cluster_file_gets_a_quarter_of_a_fair_cpu_share(tm
 
 
 def _cgroup_dirs() -> list:
-    from pathlib import Path
     root = Path("/sys/fs/cgroup/cpu")
     return list(root.rglob("convoy*-h*")) if root.exists() else []
 
@@ -172,3 +173,30 @@ def test_cleanup_takes_only_namespaces_whose_maker_is_gone():
     finally:
         for name in (live, dead):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.mark.timeout(300)
+@needs_netns
+def test_a_killed_host_loses_every_process_and_the_others_keep_theirs_and_their_own_cores():
+    with EmulatedCluster(Topology(hosts=2, host_rate=1e9, own_cores=True), tag="convoykill") as cluster:
+        sleepers = [subprocess.Popen(cluster.exec_prefix(host) + ["sleep", "60"]) for host in (0, 1, 1)]
+        try:
+            deadline = time.monotonic() + 30
+            while sorted(len(cluster.pids(host)) for host in (0, 1)) != [1, 2]:
+                assert time.monotonic() < deadline, [cluster.pids(host) for host in (0, 1)]
+                time.sleep(0.05)
+            on_host_1 = cluster.pids(1)
+            assert sorted(cluster.kill_host(1)) == sorted(on_host_1) == sorted(p.pid for p in sleepers[1:])
+            assert [p.wait(timeout=10) for p in sleepers[1:]] == [-9, -9]
+            assert cluster.pids(1) == [] and sleepers[0].poll() is None
+            # Every host is capped at an even share of the cores, the one with full speed too.
+            share = len(os.sched_getaffinity(0)) / 2
+            for host in (0, 1):
+                cap = cluster.caps[host].path
+                quota = (cap / "cpu.cfs_quota_us") if (cap / "cpu.cfs_quota_us").exists() else (cap / "cpu.max")
+                assert int(quota.read_text().split()[0]) == int(share * 100_000)
+            assert Path(f"/proc/{sleepers[0].pid}/cgroup").read_text().count("convoykill-h0") >= 1
+        finally:
+            for sleeper in sleepers:
+                sleeper.kill()
+                sleeper.wait()

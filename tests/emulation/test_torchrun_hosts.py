@@ -48,9 +48,10 @@ def reference(tmp_path_factory):
 
 
 def _torchrun(hosts: EmulatedCluster, tmp: Path, marker: Path, out: Path, extra: tuple[str, ...] = (),
-              gloo_interface: str | None = "eth0", agent: tuple[str, ...] = ()) -> list[subprocess.CompletedProcess]:
+              gloo_interface: str | None = "eth0", agent: tuple[str, ...] = (),
+              job: tuple[str, ...] = JOB) -> list[subprocess.CompletedProcess]:
     """One torchrun agent per host, c10d rendezvous on the first; their exit statuses and output."""
-    return torchrun_agents(hosts, tmp, out.name, ["-m", "convoy", "train", *JOB, *extra, "--out", str(out)],
+    return torchrun_agents(hosts, tmp, out.name, ["-m", "convoy", "train", *job, *extra, "--out", str(out)],
                            agent=agent, env={"CRASH_MARKER": str(marker)}, gloo_interface=gloo_interface,
                            timeout_s=AGENT_TIMEOUT_S)
 
@@ -69,6 +70,27 @@ def test_two_torchrun_hosts_equal_nproc_2_and_a_killed_worker_resumes_bit_identi
     assert (tmp / "crashed").exists()
     assert "resumed from" in "".join(a.stderr for a in agents)
     same_saved_models(tmp / "reference", tmp / "restarted")
+
+
+@pytest.mark.timeout(400)
+def test_a_powersgd_job_killed_on_one_host_resumes_inside_its_log_on_both_bit_identically(hosts, reference):
+    """PowerSGD writes the rank files every step and the model files' logs between full snapshots, so
+    both hosts resume inside a log; each writer then waits for the other's model file to hold that
+    step before its first checkpoint. The other host's step travels through the store: it must be
+    the step its log reached, not its snapshot's, or both wait for each other until --timeout."""
+    tmp = reference
+    job = tuple("powersgd" if arg == "fp16" else arg for arg in JOB)
+    run = convoy_in_process("train", "--nproc", "2", *job, "--out", str(tmp / "reference-powersgd"),
+                            env={**importable(tmp), "CRASH_MARKER": str(tmp / "never")})
+    assert run.returncode == 0, run.stderr
+    agents = _torchrun(hosts, tmp, tmp / "crashed-powersgd", tmp / "restarted-powersgd",
+                       ("--checkpoint-dir", str(tmp / "ckpt-powersgd"), "--timeout", "30"),
+                       agent=("--max-restarts", "1"), job=job)
+    said = _convoy_lines(agents)
+    assert all(a.returncode == 0 for a in agents), said
+    assert (tmp / "crashed-powersgd").exists()
+    assert "differential steps replayed" in said, said   # resumed inside the log, as the test means to
+    same_saved_models(tmp / "reference-powersgd", tmp / "restarted-powersgd")
 
 
 @pytest.mark.timeout(300)
