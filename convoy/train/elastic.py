@@ -96,11 +96,13 @@ def _adapt(config: TrainConfig, model: nn.Module, world: int, writers: list[int]
     complete(directory)   # a re-deal that a kill interrupted after it was committed
     cleanup(directory)    # one the new world has committed a step after
     job = recorded_job(directory)
-    if job is None or job.world == world:
+    if job is None:
         return None
     accum = config.optim.grad_accum
     global_batch = job.global_batch or config.data.batch_size * accum * job.world
     keep = f"run on {job.world} workers, or pass --no-resume to start over"
+    if job.world == world:
+        return _same_world(directory, config, global_batch, world, keep)
     if config.sync.strategy != "allreduce" or config.parallel.layout != "data":
         raise UsageError(f"--checkpoint-dir {directory} holds a checkpoint of {job.world} workers; only "
                          f"--sync allreduce with --parallel data resumes on another number ({world}): {keep}")
@@ -126,6 +128,26 @@ def _adapt(config: TrainConfig, model: nn.Module, world: int, writers: list[int]
         note += (f"; {deal.inexact} residual values kept their mean only to float32 precision "
                  "(their values span too wide a range to be dealt exactly)")
     return "resharded", (batch, note)
+
+
+def _same_world(directory: Path, config: TrainConfig, global_batch: int, world: int,
+                keep: str) -> tuple[str, object] | None:
+    """None when this world's batch is the checkpoint's; else the per-worker batch that keeps it.
+
+    A job re-dealt onto fewer workers and restarted by torchrun with its first command (the
+    original --batch-size) is on the checkpoint's world again, but its global batch must stay
+    the one the checkpoint was trained with, or the data order and the trajectory change.
+    """
+    accum = config.optim.grad_accum
+    if global_batch == config.data.batch_size * accum * world:
+        return None
+    if global_batch % (world * accum):
+        raise UsageError(f"--checkpoint-dir {directory}: the checkpoint's global batch of {global_batch} does not "
+                         f"divide over {world} workers with --grad-accum {accum}; {keep}")
+    batch = global_batch // (world * accum)
+    return "kept", (batch, f"convoy: checkpoint: {directory} was trained with a global batch of {global_batch}: "
+                           f"kept ({batch} per worker{' per micro-batch' if accum > 1 else ''}, not --batch-size "
+                           f"{config.data.batch_size})")
 
 
 def _check_copies(directory: Path, model: nn.Module, config: TrainConfig, world: int, keep: str) -> None:

@@ -144,11 +144,16 @@ def test_powersgd_state_is_dealt_its_shared_q_copied(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_a_dense_job_continued_on_two_workers_ends_where_the_uninterrupted_four_worker_run_does(tmp_path):
-    _train(4, 10, tmp_path / "whole", None, *LENET)
+    # Then restarted on two again with the first command's --batch-size, as torchrun restarts a job
+    # it re-formed smaller: the checkpoint's global batch still holds.
+    _train(4, 15, tmp_path / "whole", None, *LENET)
     _train(4, 5, tmp_path / "a", tmp_path / "ckpt", *LENET)
     done = _train(2, 10, tmp_path / "b", tmp_path / "ckpt", *LENET)
     assert "global batch 48 kept (24 per worker)" in done.stderr
-    whole, resumed = saved_model(tmp_path / "whole"), saved_model(tmp_path / "b")
+    again = _train(2, 15, tmp_path / "c", tmp_path / "ckpt", *LENET)
+    assert "trained with a global batch of 48: kept (24 per worker, not --batch-size 12)" in again.stderr
+    assert "at step 10 (epoch 0, batch 10)" in again.stderr
+    whole, resumed = saved_model(tmp_path / "whole"), saved_model(tmp_path / "c")
     worst = max((whole[k] - resumed[k]).abs().max().item() for k in whole)
     assert worst < 1e-5
 
