@@ -1,0 +1,194 @@
+"""Step time of `convoy train --compress powersgd` against DDP + torch's PowerSGD hook, and the compute floor.
+
+    python bench/powersgd_step.py [--models vgg_fc resnet18] [--world 2] [--ranks 1 2 4] [--rounds 12]
+                                  [--round-steps 3] [--batch 16] [--tag TAG]
+
+One run, loopback gloo, one torch thread per worker; per model, side by side in the same processes:
+
+- ``floor``: the same ranks, model and batch with no gradient exchange at all (each trains its own
+  replica; SGD with momentum and weight decay): the compute floor every exchange is read against;
+- ``hook-R``: DDP with torch's ``powerSGD_hook`` at rank R (warm start, error feedback, compressed
+  from step 2 so every timed step is; one bucket, as bench/peers/ddp_train.py runs it: with several
+  the hook's collectives can come in different orders on gloo);
+- ``convoy-R``: what ``convoy train --compress powersgd --powersgd-rank R`` runs, built by its own
+  ``build_layout`` (the engine, ``AllReduce`` + ``PowerSGDCompressor`` + momentum correction with
+  clipping and weight decay), stepped by its ``train_step``.
+
+The variants run in rounds of ``--round-steps`` steps (each round ends when its exchanges have, and
+all ranks start it together); the order of the variants rotates from round to round, so a burst of
+load from other jobs hits all of them. A round is as slow as its slowest rank (wall); CPU is the
+process CPU time (every thread) summed over the ranks. Figures are medians over rounds, the ratios
+medians of per-round ratios to the adjacent rounds of the hook at the same R and of the floor.
+Writes bench/results/powersgd_step[_TAG].{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import save, spawn  # noqa: E402
+from convoy import runtime  # noqa: E402
+from convoy.models import build_model  # noqa: E402
+from convoy.train.config import TrainConfig  # noqa: E402
+from convoy.train.loop import build_layout  # noqa: E402
+
+LR, MOMENTUM, WEIGHT_DECAY = 0.02, 0.9, 5e-4
+# The hook sends the first steps dense; warm-up rounds cover them, so every timed step is compressed.
+HOOK_START_ITER = 2
+WARMUP_ROUNDS = 2
+
+Step = Callable[[], None]
+
+
+def _model(name: str, channels: int) -> nn.Module:
+    torch.manual_seed(0)
+    return build_model(name, in_channels=channels, num_classes=10)
+
+
+def _batch(rank: int, batch: int, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(batch, channels, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def _torch_step(net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> Step:
+    def step() -> None:
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        loss.item()   # as convoy's train_step reads its loss
+    return step
+
+
+def _floor(name: str, channels: int, x: torch.Tensor, y: torch.Tensor) -> tuple[Step, Step]:
+    model = _model(name, channels)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+    return _torch_step(model, opt, x, y), lambda: None
+
+
+def _hook(name: str, channels: int, rank: int, x: torch.Tensor, y: torch.Tensor) -> tuple[Step, Step]:
+    net = nn.parallel.DistributedDataParallel(_model(name, channels), bucket_cap_mb=4096)
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                        start_powerSGD_iter=HOOK_START_ITER, warm_start=True,
+                                        use_error_feedback=True)
+    net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+    return _torch_step(net, opt, x, y), lambda: None
+
+
+def _convoy(name: str, channels: int, rank: int, world: int, x: torch.Tensor, y: torch.Tensor,
+            batch: int):
+    config = TrainConfig.from_flat(model=name, compress="powersgd", powersgd_rank=rank, lr=LR, momentum=MOMENTUM,
+                                   weight_decay=WEIGHT_DECAY, batch_size=batch, nproc=world)
+    ctx = runtime.Context(dist.get_rank(), world, dist.get_rank(), torch.device("cpu"), "gloo")
+    layout = build_layout(config, _model(name, channels), ctx, total_steps=10 ** 6,
+                          input_shape=tuple(x.shape[1:]))
+    return (lambda: layout.train_step(x, y)), layout.engine.synchronize, layout.engine
+
+
+def _round(step: Step, finish: Step, steps: int) -> tuple[float, float]:
+    """Wall and process CPU seconds per step over ``steps`` steps and the drain, all ranks started together."""
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        step()
+    finish()
+    return (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps
+
+
+def worker(rank: int, world: int, name: str, ranks: list[int], batch: int, steps: int, rounds: int,
+           channels: int) -> dict:
+    x, y = _batch(rank, batch, channels)
+    variants: dict[str, tuple[Step, Step]] = {"floor": _floor(name, channels, x, y)}
+    engines = []
+    for r in ranks:
+        variants[f"hook-{r}"] = _hook(name, channels, r, x, y)
+        step, finish, engine = _convoy(name, channels, r, world, x, y, batch)
+        variants[f"convoy-{r}"] = (step, finish)
+        engines.append(engine)
+    names = list(variants)
+    for _ in range(WARMUP_ROUNDS):
+        for v in names:
+            _round(*variants[v], steps)
+    out: dict[str, list] = {v: [] for v in names} | {f"{v}_cpu": [] for v in names}
+    for i in range(rounds):
+        shift = i % len(names)   # rotate the order so no variant always follows the same one
+        for v in names[shift:] + names[:shift]:
+            wall, cpu = _round(*variants[v], steps)
+            out[v].append(wall)
+            out[f"{v}_cpu"].append(cpu)
+    out["bytes_per_step"] = {f"convoy-{r}": e.sync.bytes_sent / e.step for r, e in zip(ranks, engines)}
+    for engine in engines:
+        engine.close()
+    return out
+
+
+def rows_for(name: str, world: int, ranks: list[int], results: list[dict], rounds: int) -> list[dict]:
+    """One row per variant: medians over rounds, ratios to the hook at the same R and to the floor."""
+    def walls(v: str) -> list[float]:
+        return [max(r[v][i] for r in results) for i in range(rounds)]
+
+    def cpus(v: str) -> list[float]:
+        return [sum(r[f"{v}_cpu"][i] for r in results) / len(results) for i in range(rounds)]
+
+    def ratio(a: list[float], b: list[float]) -> float:
+        return statistics.median(p / q for p, q in zip(a, b))
+
+    floor_wall, floor_cpu = walls("floor"), cpus("floor")
+    rows = [{"model": name, "world": world, "variant": "floor", "rank": None,
+             "step_s": statistics.median(floor_wall), "cpu_s": statistics.median(floor_cpu),
+             "wall/hook": None, "cpu/hook": None, "wall/floor": 1.0, "cpu/floor": 1.0}]
+    for r in ranks:
+        hook_wall, hook_cpu = walls(f"hook-{r}"), cpus(f"hook-{r}")
+        for kind in ("hook", "convoy"):
+            v = f"{kind}-{r}"
+            wall, cpu = walls(v), cpus(v)
+            rows.append({"model": name, "world": world, "variant": kind, "rank": r,
+                         "step_s": statistics.median(wall), "cpu_s": statistics.median(cpu),
+                         "wall/hook": ratio(wall, hook_wall), "cpu/hook": ratio(cpu, hook_cpu),
+                         "wall/floor": ratio(wall, floor_wall), "cpu/floor": ratio(cpu, floor_cpu)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["vgg_fc", "resnet18"])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--rounds", type=int, default=12, help="timed rounds per variant")
+    parser.add_argument("--round-steps", type=int, default=3, help="steps per round")
+    parser.add_argument("--batch", type=int, default=16, help="samples per worker")
+    parser.add_argument("--tag", default="", help="results go to powersgd_step_TAG")
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    rows = []
+    for name in args.models:
+        channels = 3 if name == "resnet18" else 1
+        results = spawn(worker, args.world, name, args.ranks, args.batch, args.round_steps, args.rounds, channels)
+        rows += rows_for(name, args.world, args.ranks, results, args.rounds)
+        for row in rows[-1 - 2 * len(args.ranks):]:
+            print(row, flush=True)
+    settings = {**vars(args), "lr": LR, "momentum": MOMENTUM, "weight_decay": WEIGHT_DECAY,
+                "hook_start_iter": HOOK_START_ITER, "load_before": list(load_before),
+                "load_after": list(os.getloadavg()),
+                "note": "medians over rounds; wall: the slowest rank's round / steps; cpu: process CPU seconds "
+                        "(all threads) per step, mean over ranks; ratios: medians of per-round ratios"}
+    save("powersgd_step" + (f"_{args.tag}" if args.tag else ""), settings, rows,
+         ["model", "world", "variant", "rank", "step_s", "cpu_s", "wall/hook", "cpu/hook", "wall/floor",
+          "cpu/floor"])
+
+
+if __name__ == "__main__":
+    main()
