@@ -20,16 +20,23 @@ load from other jobs hits all of them. A round is as slow as its slowest rank (w
 process CPU time (every thread) summed over the ranks. Figures are medians over rounds, the ratios
 medians of per-round ratios to the adjacent rounds of the hook at the same R and of the floor.
 Writes bench/results/powersgd_step[_TAG].{json,md}.
+
+``--profile`` instead profiles convoy's step at each R: the auxiliary thread's CPU time per step
+(cProfile on that thread, timed by the thread's CPU clock), split into the stages of the exchange;
+writes bench/results/powersgd_profile[_TAG].{json,md}.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -162,6 +169,89 @@ def rows_for(name: str, world: int, ranks: list[int], results: list[dict], round
     return rows
 
 
+def _cumulative(stats: pstats.Stats, where: str, caller: str | None = None) -> float:
+    """Seconds spent in ``where`` ("file.py:function", the file a path suffix), and in what it called;
+    only the calls from ``caller`` when given."""
+    suffix, name = where.split(":")
+    total = 0.0
+    for (filename, _, function), (_, _, _, cum, callers) in stats.stats.items():   # type: ignore[attr-defined]
+        if function != name or not filename.endswith(suffix):
+            continue
+        if caller is None:
+            total += cum
+            continue
+        c_suffix, c_name = caller.split(":")
+        total += sum(c[3] for (f, _, fn), c in callers.items() if fn == c_name and f.endswith(c_suffix))
+    return total
+
+
+def _stage_times(stats: pstats.Stats, steps: int) -> dict[str, float]:
+    """CPU ms per step of each stage of convoy's exchange on the auxiliary thread, and of the whole thread."""
+    def ms(where: str, caller: str | None = None) -> float:
+        return 1000 * _cumulative(stats, where, caller) / steps
+
+    average = ms("sync/allreduce.py:wait")
+    return {
+        "flat parameters (for weight decay)": ms("sync/allreduce.py:start") - ms("sync/allreduce.py:start_flat"),
+        "momentum correction (clip, weight decay, velocity)": ms("compress/momentum.py:compensate"),
+        "P = M Q": ms("compress/powersgd.py:compress"),
+        "P all-reduce (blocking)": ms("sync/allreduce.py:_agree"),
+        "orthonormalise P, Q_i = M^T P": ms("compress/powersgd.py:next_round"),
+        "local P Q_i^T": ms("compress/powersgd.py:decompress", "sync/allreduce.py:start_flat"),
+        "residual (subtract)": ms("compress/momentum.py:update"),
+        "Q all-reduce (issue)": ms("sync/allreduce.py:_exchange"),
+        "average (P Q^T, divide)": average,
+        "update (copy, finite check, SGD, zero)": ms("engine/engine.py:_finish_exchange") - average,
+        "auxiliary thread, all": ms("engine/engine.py:_run_step"),
+    }
+
+
+def profile_worker(rank: int, world: int, name: str, ranks: list[int], batch: int, steps: int,
+                   channels: int) -> dict[int, dict[str, float]]:
+    """Each R's convoy step profiled on its auxiliary thread (CPU time), after warm-up steps."""
+    x, y = _batch(rank, batch, channels)
+    out = {}
+    for r in ranks:
+        profiler = cProfile.Profile(time.thread_time)
+
+        def start_in_thread(*_: Any) -> None:
+            # The first event in the engine's thread (started at the first backward): profile it from here.
+            sys.setprofile(None)
+            profiler.enable()
+
+        threading.setprofile(start_in_thread)
+        step, finish, engine = _convoy(name, channels, r, world, x, y, batch)
+        step()
+        threading.setprofile(None)   # type: ignore[arg-type]
+        for _ in range(WARMUP_ROUNDS * 3):
+            step()
+        finish()
+        dist.barrier()
+        profiler.clear()   # cProfile keeps collecting on the thread; count only the timed steps
+        for _ in range(steps):
+            step()
+        finish()
+        out[r] = _stage_times(pstats.Stats(profiler), steps)
+        engine.close()
+    return out
+
+
+def profile(args: argparse.Namespace) -> None:
+    rows = []
+    for name in args.models:
+        channels = 3 if name == "resnet18" else 1
+        results = spawn(profile_worker, args.world, name, args.ranks, args.batch, args.rounds * args.round_steps,
+                        channels)
+        for r in args.ranks:
+            for stage in results[0][r]:
+                rows.append({"model": name, "world": args.world, "rank": r, "stage": stage,
+                             "cpu_ms_per_step": statistics.mean(res[r][stage] for res in results)})
+    settings = {**vars(args), "note": "auxiliary thread CPU ms per step (cProfile, thread CPU clock), mean over "
+                                      "ranks; stages by function (bench/powersgd_step.py STAGES)"}
+    save("powersgd_profile" + (f"_{args.tag}" if args.tag else ""), settings, rows,
+         ["model", "world", "rank", "stage", "cpu_ms_per_step"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["vgg_fc", "resnet18"])
@@ -171,7 +261,12 @@ def main() -> None:
     parser.add_argument("--round-steps", type=int, default=3, help="steps per round")
     parser.add_argument("--batch", type=int, default=16, help="samples per worker")
     parser.add_argument("--tag", default="", help="results go to powersgd_step_TAG")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile convoy's auxiliary thread instead (rounds x round-steps steps per R)")
     args = parser.parse_args()
+    if args.profile:
+        profile(args)
+        return
     load_before = os.getloadavg()
     rows = []
     for name in args.models:
