@@ -116,6 +116,15 @@ class Compressor(ABC):
             self.decompress_add(payload, ctx, total)
         return total, None
 
+    def decompress_sum_into(self, payloads: list[Payload], ctx: Any,
+                            out: torch.Tensor) -> tuple[torch.Tensor, Support | None]:
+        """:meth:`decompress_sum`, built in ``out`` where the compressor would otherwise make a new
+        tensor. ``out`` has the sum's size and type and the caller no longer needs it (the exchanged
+        gradient), so building the sum there spares an allocation and the caller's copy into its
+        buffer (PowerSGD). The default ignores it; what is returned is the sum either way.
+        """
+        return self.decompress_sum(payloads, ctx)
+
     def more_rounds(self, ctx: Any) -> bool:
         """Whether the payload just made is an intermediate round (PowerSGD's P before its Q).
 

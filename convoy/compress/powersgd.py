@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from convoy.compress.base import Compressor, LayerInfo, Memory, Payload, ResidualMemory
+from convoy.compress.base import Compressor, LayerInfo, Memory, Payload, ResidualMemory, Support
 from convoy.compress.registry import CompressorSpec, register
 
 
@@ -199,10 +199,24 @@ class PowerSGDCompressor(Compressor):
         return payload, ctx
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        return self._decompress(payload, ctx, None)
+
+    def decompress_sum_into(self, payloads: list[Payload], ctx: Any,
+                            out: torch.Tensor) -> tuple[torch.Tensor, Support | None]:
+        if len(payloads) != 1:   # summable: an exchange sums the payloads, it never hands over several
+            return self.decompress_sum(payloads, ctx)
+        return self._decompress(payloads[0], ctx, out), None
+
+    def _decompress(self, payload: Payload, ctx: Any, out: torch.Tensor | None) -> torch.Tensor:
         # 5. The update is P^ Q^T per factored parameter; keep Q as the next warm start
         # (a remote payload is one worker's Q_i: the workers keep their sum, keep_sum).
+        # Every value of ``out`` is written; nothing here reads ctx.flat, which ``out`` may be.
         wire = payload[0]
-        out = torch.empty(ctx.flat.numel(), dtype=ctx.flat.dtype)
+        if out is None:
+            out = torch.empty(ctx.flat.numel(), dtype=ctx.flat.dtype)
+        elif out.shape != (ctx.flat.numel(),) or out.dtype != ctx.flat.dtype:
+            raise ValueError(f"out must be a flat {ctx.flat.dtype} tensor of {ctx.flat.numel()} values, "
+                             f"got {out.dtype} {tuple(out.shape)}")
         position, bases = 0, iter(self._bases(payload, ctx))
         for segment in ctx.segments:
             target = out[segment.offset:segment.offset + segment.numel]

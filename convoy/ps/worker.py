@@ -176,7 +176,8 @@ class PushPull(AllReduce):
             self.start_flat(unit, self.job.shapes(unit), unit_grad, flat)
         return _Pull(self, units, step)
 
-    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any) -> None:   # start's _Pull waits
+    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any,
+                  out: torch.Tensor | None = None) -> None:   # start's _Pull waits
         layer, step = self._current
         width = wire_width(compressor, payload, ctx)
         row = pack_row(payload, width)

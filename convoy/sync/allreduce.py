@@ -124,7 +124,9 @@ class AllReduce(SyncStrategy):
 
         ``index`` names the bucket, the same on every rank (error feedback and
         warm-up are kept per index); callers that have no engine ``Bucket``
-        (a DDP comm hook) use this entry. ``params`` are the bucket's flat
+        (a DDP comm hook) use this entry. ``grad`` is the exchange's to
+        overwrite: the average may be built in it (uncompressed it is summed
+        in place, PowerSGD decompresses into it). ``params`` are the bucket's flat
         parameters, needed only when the error memory asks for them
         (momentum correction adds weight decay). ``layers`` names the bucket's
         layers for :attr:`replay`.
@@ -148,7 +150,7 @@ class AllReduce(SyncStrategy):
             # A resume replaying a logged step: the memory moved on as in training; the
             # average the ranks computed then is in the log, so nothing crosses the network.
             return Done(logged)
-        return self._exchange(compressor, payload, ctx)
+        return self._exchange(compressor, payload, ctx, grad)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The memory's residuals (and velocities), and the compressor's warm start."""
@@ -162,21 +164,25 @@ class AllReduce(SyncStrategy):
         """A parameter-sized tensor per kind the memory keeps, and the compressor's own."""
         return params_bytes * len(self.memory.kept()) + self.compressor.state_bytes_bound(params_bytes)
 
-    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any) -> PendingSync:
+    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any,
+                  out: torch.Tensor | None = None) -> PendingSync:
+        """Exchange the final payload; ``out`` (the exchanged gradient, or None) may receive the average."""
         if self.world_size == 1:
             return Done(*compressor.decompress_sum([payload], ctx))
         if compressor.summable:
-            return self._all_reduce(compressor, payload, ctx)
+            return self._all_reduce(compressor, payload, ctx, out)
         return self._all_gather(compressor, payload, ctx)
 
-    def _all_reduce(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any) -> PendingSync:
+    def _all_reduce(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any,
+                    out: torch.Tensor | None = None) -> PendingSync:
         (wire,) = payload
         sent = AsyncCollective(wire, lambda: dist.all_reduce(wire, group=self.group, async_op=True))
         moved = ring_allreduce_bytes(wire.numel() * wire.element_size(), self.world_size)
         self._count(moved, moved)
 
         def finish() -> tuple[torch.Tensor, Support | None]:
-            total, support = compressor.decompress_sum([[wire]], ctx)
+            total, support = (compressor.decompress_sum([[wire]], ctx) if out is None
+                              else compressor.decompress_sum_into([[wire]], ctx, out))
             return total.div_(self.world_size), support
 
         return _PendingAllReduce(sent, finish)

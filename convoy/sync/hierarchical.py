@@ -225,7 +225,8 @@ class Hierarchical(AllReduce):
         self._reap_sends()
         return super().start(bucket, grad)
 
-    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any) -> PendingSync:
+    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any,
+                  out: torch.Tensor | None = None) -> PendingSync:
         if len(self.members) == 1:
             return Done(compressor.decompress(payload, ctx))
         if compressor.summable:
