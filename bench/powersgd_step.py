@@ -197,8 +197,9 @@ def _stage_times(stats: pstats.Stats, steps: int) -> dict[str, float]:
         "P = M Q": ms("compress/powersgd.py:compress"),
         "P all-reduce (blocking)": ms("sync/allreduce.py:_agree"),
         "orthonormalise P, Q_i = M^T P": ms("compress/powersgd.py:next_round"),
-        "local P Q_i^T": ms("compress/powersgd.py:decompress", "sync/allreduce.py:start_flat"),
-        "residual (subtract)": ms("compress/momentum.py:update"),
+        # before the fused residual: decompress, then subtract (update); after: keep_unsent
+        "residual (M_i - P Q_i^T)": (ms("compress/powersgd.py:decompress", "sync/allreduce.py:start_flat")
+                                     + ms("compress/momentum.py:update") + ms("compress/momentum.py:keep_unsent")),
         "Q all-reduce (issue)": ms("sync/allreduce.py:_exchange"),
         "average (P Q^T, divide)": average,
         "update (copy, finite check, SGD, zero)": ms("engine/engine.py:_finish_exchange") - average,

@@ -125,6 +125,17 @@ class Compressor(ABC):
         """
         return self.decompress_sum(payloads, ctx)
 
+    def unsent(self, compensated: torch.Tensor, payload: Payload, ctx: Any,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """``compensated`` minus what ``payload`` (this rank's final payload) sends of it: the
+        error-feedback residual, written into ``out`` when given.
+
+        The default decompresses the payload and subtracts; a compressor may compute the
+        same difference without the decompressed tensor (PowerSGD).
+        """
+        sent = self.decompress(payload, ctx)
+        return compensated - sent if out is None else torch.sub(compensated, sent, out=out)
+
     def more_rounds(self, ctx: Any) -> bool:
         """Whether the payload just made is an intermediate round (PowerSGD's P before its Q).
 
@@ -189,6 +200,19 @@ class Memory(ABC):
     def update(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> None:
         """Remember ``compensated - sent`` as the new residual."""
 
+    def keep_unsent(self, compensated: torch.Tensor, name: str, compressor: Compressor, payload: Payload,
+                    ctx: Any) -> None:
+        """:meth:`update` with what ``compressor`` sends of ``compensated`` in ``payload`` (its
+        decompression). A memory whose update is the residual alone overrides it to have the
+        compressor compute the residual directly (:meth:`Compressor.unsent`); a subclass of one
+        of those that overrides :meth:`update` overrides this too."""
+        self.update(compensated, name, compressor.decompress(payload, ctx))
+
+    def unsent_residual(self, compensated: torch.Tensor, name: str, compressor: Compressor, payload: Payload,
+                        ctx: Any) -> torch.Tensor:
+        """The new residual ``compensated - sent`` of ``payload``, where :attr:`place` puts it."""
+        return compressor.unsent(compensated, payload, ctx, self.placed(f"residual.{name}", compensated))
+
     def placed(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
         """Where :attr:`place` puts the new tensor of ``key``; None: a new tensor."""
         return None if self.place is None else self.place(key, like)
@@ -228,6 +252,10 @@ class NoMemory(Memory):
     def update(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> None:
         pass
 
+    def keep_unsent(self, compensated: torch.Tensor, name: str, compressor: Compressor, payload: Payload,
+                    ctx: Any) -> None:
+        pass   # nothing kept: the payload need not be decompressed
+
 
 class ResidualMemory(Memory):
     """Error feedback: the unsent part is added to the next step's gradient.
@@ -248,6 +276,10 @@ class ResidualMemory(Memory):
 
     def update(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> None:
         self.residuals[name] = self.new_residual(compensated, name, sent)
+
+    def keep_unsent(self, compensated: torch.Tensor, name: str, compressor: Compressor, payload: Payload,
+                    ctx: Any) -> None:
+        self.residuals[name] = self.unsent_residual(compensated, name, compressor, payload, ctx)
 
     def forget(self, name: str) -> None:
         self.residuals.pop(name, None)

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from convoy.compress.base import Memory
+from convoy.compress.base import Compressor, Memory, Payload
 
 
 class MomentumCorrection(Memory):
@@ -97,6 +97,13 @@ class MomentumCorrection(Memory):
             # momentum SGD.
             self.velocities[name].masked_fill_((sent != 0) & (delayed != 0), 0.0)
         self.residuals[name] = self.new_residual(compensated, name, sent)
+
+    def keep_unsent(self, compensated: torch.Tensor, name: str, compressor: Compressor, payload: Payload,
+                    ctx: Any) -> None:
+        if self.masking:   # the mask needs what was sent, value by value
+            super().keep_unsent(compensated, name, compressor, payload, ctx)
+        else:
+            self.residuals[name] = self.unsent_residual(compensated, name, compressor, payload, ctx)
 
     def forget(self, name: str) -> None:
         self.residuals.pop(name, None)

@@ -231,6 +231,29 @@ class PowerSGDCompressor(Compressor):
             self.keep_sum(payload, ctx)
         return out
 
+    def unsent(self, compensated: torch.Tensor, payload: Payload, ctx: Any,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        # The residual M_i - P^ Q_i^T in one pass per factored parameter: addmm subtracts each
+        # product as it is computed (alpha -1 is exact, and the product is summed and rounded
+        # as matmul does it, so the difference is the same as subtracting the decompressed
+        # payload), without a decompressed tensor. Dense values: what was sent is themselves.
+        wire, flat = payload[0], compensated.reshape(-1)
+        out = torch.empty_like(flat) if out is None else out.reshape(-1)
+        position, bases = 0, iter(self._bases(payload, ctx))
+        for segment in ctx.segments:
+            end = segment.offset + segment.numel
+            if segment.low_rank:
+                q = wire[position:position + segment.cols * self.rank].view(segment.cols, self.rank)
+                shape = (segment.rows, segment.cols)
+                torch.addmm(flat[segment.offset:end].view(shape), next(bases), q.T, alpha=-1,
+                            out=out[segment.offset:end].view(shape))
+                position += segment.cols * self.rank
+            else:
+                torch.sub(flat[segment.offset:end], wire[position:position + segment.numel],
+                          out=out[segment.offset:end])
+                position += segment.numel
+        return out.view_as(compensated)
+
     def keep_sum(self, summed: Payload, ctx: Any) -> None:
         """Keep each factored parameter's ``Q`` of ``summed`` (the final payload summed over the ranks)."""
         position, index = 0, 0

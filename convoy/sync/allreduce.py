@@ -144,7 +144,7 @@ class AllReduce(SyncStrategy):
         payload, ctx = compressor.compress(compensated, name, info)
         while compressor.more_rounds(ctx):   # PowerSGD's P: summed now, the last round below
             payload, ctx = compressor.next_round([self._agree(t) for t in payload], ctx)
-        self.memory.update(compensated, name, compressor.decompress(payload, ctx))
+        self.memory.keep_unsent(compensated, name, compressor, payload, ctx)
         logged = self.replay(step, layers) if self.replay is not None and layers is not None else None
         if logged is not None:
             # A resume replaying a logged step: the memory moved on as in training; the

@@ -63,6 +63,29 @@ def test_factors_are_a_fraction_of_the_matrix_and_a_rank_too_large_sends_it_dens
     assert torch.equal(_exchange_locally(PowerSGDCompressor(12), gradient), gradient)
 
 
+@pytest.mark.parametrize("rank", [1, 2, 4])
+@pytest.mark.parametrize("shapes", [SHAPES, (torch.Size([1024, 2048]), torch.Size([1024])),
+                                    (torch.Size([64, 32, 3, 3]), torch.Size([64]), torch.Size([10, 64]))])
+def test_the_fused_residual_is_the_gradient_minus_the_decompressed_payload_bit_for_bit(shapes, rank):
+    """``unsent`` subtracts each P^ Q_i^T as addmm computes it; the error-feedback residual must be the
+    same bits as subtracting the decompressed payload (what convoy did before, and the invariant
+    sent + residual == compensated that error feedback rests on)."""
+    compressor = PowerSGDCompressor(rank)
+    gradient = torch.randn(sum(s.numel() for s in shapes), generator=torch.Generator().manual_seed(rank))
+    bias = shapes[0].numel()   # the bias is sent dense: what was sent is its own values, inf and nan too
+    gradient[bias:bias + 7] = torch.tensor([float("inf"), -0.0, 0.0, 1e-40, -1e38, 3.0, float("nan")])
+    for remote in (False, True):
+        payload, ctx = compressor.compress(gradient, "0", LayerInfo(shapes=shapes, remote=remote))
+        while compressor.more_rounds(ctx):
+            payload, ctx = compressor.next_round(payload, ctx)
+        expected = gradient - compressor.decompress(payload, ctx)
+        assert float(expected[:bias].abs().max()) > 0.1   # the matrix's residual is not trivially zero
+        assert torch.equal(compressor.unsent(gradient, payload, ctx).isnan(), expected.isnan())
+        assert torch.equal(compressor.unsent(gradient, payload, ctx).nan_to_num(), expected.nan_to_num())
+        placed = torch.empty_like(gradient)
+        assert compressor.unsent(gradient, payload, ctx, out=placed).data_ptr() == placed.data_ptr()
+
+
 def test_orthonormalisation_of_a_rank_deficient_p_gives_no_nan():
     p = torch.zeros(10, 3)
     p[:, 0] = torch.arange(10.0)
