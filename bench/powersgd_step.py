@@ -17,7 +17,8 @@ One run, loopback gloo, one torch thread per worker; per model, side by side in 
 The variants run in rounds of ``--round-steps`` steps (each round ends when its exchanges have, and
 all ranks start it together); the order of the variants rotates from round to round, so a burst of
 load from other jobs hits all of them. A round is as slow as its slowest rank (wall); CPU is the
-process CPU time (every thread) summed over the ranks. Figures are medians over rounds, the ratios
+process CPU time (every thread), the mean over the ranks. ``forward_wait_s`` is how long convoy's next
+forward waited for the exchange's updates per step (the exchange left on the critical path). Figures are medians over rounds, the ratios
 medians of per-round ratios to the adjacent rounds of the hook at the same R and of the floor.
 Writes bench/results/powersgd_step[_TAG].{json,md}.
 
@@ -137,6 +138,9 @@ def worker(rank: int, world: int, name: str, ranks: list[int], batch: int, steps
             out[v].append(wall)
             out[f"{v}_cpu"].append(cpu)
     out["bytes_per_step"] = {f"convoy-{r}": e.sync.bytes_sent / e.step for r, e in zip(ranks, engines)}
+    # How long the next forward waited for updates, per step: the exchange left on the critical path.
+    out["forward_wait"] = {f"convoy-{r}": statistics.median(e.stats(s).wait_s for s in range(WARMUP_ROUNDS * steps, e.step))
+                           for r, e in zip(ranks, engines)}
     for engine in engines:
         engine.close()
     return out
@@ -155,15 +159,16 @@ def rows_for(name: str, world: int, ranks: list[int], results: list[dict], round
 
     floor_wall, floor_cpu = walls("floor"), cpus("floor")
     rows = [{"model": name, "world": world, "variant": "floor", "rank": None,
-             "step_s": statistics.median(floor_wall), "cpu_s": statistics.median(floor_cpu),
+             "step_s": statistics.median(floor_wall), "cpu_s": statistics.median(floor_cpu), "forward_wait_s": None,
              "wall/hook": None, "cpu/hook": None, "wall/floor": 1.0, "cpu/floor": 1.0}]
     for r in ranks:
         hook_wall, hook_cpu = walls(f"hook-{r}"), cpus(f"hook-{r}")
         for kind in ("hook", "convoy"):
             v = f"{kind}-{r}"
             wall, cpu = walls(v), cpus(v)
+            wait = (statistics.median(res["forward_wait"][v] for res in results) if kind == "convoy" else None)
             rows.append({"model": name, "world": world, "variant": kind, "rank": r,
-                         "step_s": statistics.median(wall), "cpu_s": statistics.median(cpu),
+                         "step_s": statistics.median(wall), "cpu_s": statistics.median(cpu), "forward_wait_s": wait,
                          "wall/hook": ratio(wall, hook_wall), "cpu/hook": ratio(cpu, hook_cpu),
                          "wall/floor": ratio(wall, floor_wall), "cpu/floor": ratio(cpu, floor_cpu)})
     return rows
@@ -282,7 +287,7 @@ def main() -> None:
                 "note": "medians over rounds; wall: the slowest rank's round / steps; cpu: process CPU seconds "
                         "(all threads) per step, mean over ranks; ratios: medians of per-round ratios"}
     save("powersgd_step" + (f"_{args.tag}" if args.tag else ""), settings, rows,
-         ["model", "world", "variant", "rank", "step_s", "cpu_s", "wall/hook", "cpu/hook", "wall/floor",
+         ["model", "world", "variant", "rank", "step_s", "cpu_s", "forward_wait_s", "wall/hook", "cpu/hook", "wall/floor",
           "cpu/floor"])
 
 
