@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -178,7 +178,7 @@ class Compressor(ABC):
 class Memory(ABC):
     """What a compressor could not send, kept for the next step (error feedback)."""
 
-    # Whether compensate wants the layer's flat parameters (to add weight decay).
+    # Whether compensate wants the layer's parameters (to add weight decay).
     needs_params: bool = False
     # The kinds of :meth:`kept` whose tensors are replaced by new ones every step, never
     # written into: a reference to one is a snapshot (a checkpoint need not copy it).
@@ -190,10 +190,11 @@ class Memory(ABC):
 
     @abstractmethod
     def compensate(self, tensor: torch.Tensor, name: str,
-                   params: torch.Tensor | None = None) -> torch.Tensor:
+                   params: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """Add what earlier steps left unsent to this step's gradient.
 
-        ``params`` are the layer's flat parameters, given when ``needs_params``.
+        ``params`` are the layer's parameters, given when ``needs_params``: flat,
+        or each parameter tensor in the order the flat gradient concatenates them.
         """
 
     @abstractmethod
@@ -246,7 +247,7 @@ class NoMemory(Memory):
     """Drop whatever was not sent."""
 
     def compensate(self, tensor: torch.Tensor, name: str,
-                   params: torch.Tensor | None = None) -> torch.Tensor:
+                   params: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         return tensor
 
     def update(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> None:
@@ -270,7 +271,7 @@ class ResidualMemory(Memory):
         self.residuals: dict[str, torch.Tensor] = {}
 
     def compensate(self, tensor: torch.Tensor, name: str,
-                   params: torch.Tensor | None = None) -> torch.Tensor:
+                   params: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         residual = self.residuals.get(name)
         return tensor if residual is None else tensor + residual
 

@@ -172,8 +172,8 @@ class PushPull(AllReduce):
             self._current = (unit, step)
             params = self.job.layers[unit][2]
             unit_grad = grad if len(units) == 1 else _rows_of(grad, bucket.params, params)
-            flat = torch.cat([p.detach().reshape(-1) for p in params]) if self.memory.needs_params else None
-            self.start_flat(unit, self.job.shapes(unit), unit_grad, flat)
+            decay = [p.detach() for p in params] if self.memory.needs_params else None
+            self.start_flat(unit, self.job.shapes(unit), unit_grad, decay)
         return _Pull(self, units, step)
 
     def _exchange(self, compressor: Compressor, payload: Any, ctx: Any,

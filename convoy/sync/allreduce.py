@@ -1,7 +1,7 @@
 """Flat data parallelism: every layer's gradient is all-reduced (or, compressed, all-gathered) and averaged."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -113,22 +113,23 @@ class AllReduce(SyncStrategy):
         return WARMUP_START_DENSITY * (target / WARMUP_START_DENSITY) ** (step / self.warmup_steps)
 
     def start(self, bucket: Any, grad: torch.Tensor) -> PendingSync:
-        params = (torch.cat([p.detach().reshape(-1) for p in bucket.params])
-                  if self.memory.needs_params else None)
+        # The parameters one by one: the memory reads them in place, no flat copy per step.
+        params = [p.detach() for p in bucket.params] if self.memory.needs_params else None
         layers = tuple(layer.name for layer in bucket.layers) if self.replay is not None else None
         return self.start_flat(bucket.index, tuple(p.shape for p in bucket.params), grad, params, layers)
 
     def start_flat(self, index: int, shapes: tuple[torch.Size, ...], grad: torch.Tensor,
-                   params: torch.Tensor | None = None, layers: tuple[str, ...] | None = None) -> PendingSync:
+                   params: torch.Tensor | Sequence[torch.Tensor] | None = None,
+                   layers: tuple[str, ...] | None = None) -> PendingSync:
         """Begin exchanging ``grad``, the concatenated gradients of parameters of ``shapes``.
 
         ``index`` names the bucket, the same on every rank (error feedback and
         warm-up are kept per index); callers that have no engine ``Bucket``
         (a DDP comm hook) use this entry. ``grad`` is the exchange's to
         overwrite: the average may be built in it (uncompressed it is summed
-        in place, PowerSGD decompresses into it). ``params`` are the bucket's flat
-        parameters, needed only when the error memory asks for them
-        (momentum correction adds weight decay). ``layers`` names the bucket's
+        in place, PowerSGD decompresses into it). ``params`` are the bucket's
+        parameters (flat, or each tensor in order), needed only when the error
+        memory asks for them (momentum correction adds weight decay). ``layers`` names the bucket's
         layers for :attr:`replay`.
         """
         step = self._exchanges.get(index, self._first_step)
