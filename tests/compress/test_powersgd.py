@@ -1,6 +1,7 @@
 """PowerSGD inside convoy's engine: exactness, error feedback, two-round exchange, resume, bad flags."""
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from convoy.compress import LayerInfo, MomentumCorrection, PowerSGDCompressor, ResidualMemory
-from convoy.compress.powersgd import orthonormalise
+from convoy.compress.powersgd import _column_scale, orthonormalise
 from convoy.engine import Engine
 from convoy.sync import AllReduce
 from tests.compress.helpers import one_layer_bucket, small_mlp, train_steps
@@ -84,6 +85,21 @@ def test_the_fused_residual_is_the_gradient_minus_the_decompressed_payload_bit_f
         assert torch.equal(compressor.unsent(gradient, payload, ctx).nan_to_num(), expected.nan_to_num())
         placed = torch.empty_like(gradient)
         assert compressor.unsent(gradient, payload, ctx, out=placed).data_ptr() == placed.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_each_columns_scale_computed_on_scalars_has_the_bits_of_the_tensor_formula(dtype):
+    """orthonormalise scales each column with numpy scalars of its type instead of 0-dim tensors; the
+    column must come out with the same bits as under the tensor formula, rounding error and edges alike."""
+    values = [0.0, 1e-45, 1e-9, 1e-8, 1.00000001e-8, 1e-7, 0.3, 1.0, 3e5, 1e30, 3e38, float("inf"), float("nan")]
+    values += torch.rand(30, generator=torch.Generator().manual_seed(0)).pow(20).tolist()
+    column = torch.randn(37, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    for left, length in itertools.product(values, values):
+        left_t, length_t = torch.tensor(left, dtype=dtype), torch.tensor(length, dtype=dtype)
+        expected = torch.where(left_t > length_t * 1e-5 + 1e-8, 1 / left_t.clamp_min(1e-8), 0.0)
+        got = column.clone().mul_(_column_scale(left_t, length_t, 1e-8, 1e-5))
+        torch.testing.assert_close(got, column.clone().mul_(expected), rtol=0, atol=0, equal_nan=True,
+                                   msg=f"left {left}, length {length}")
 
 
 def test_orthonormalisation_of_a_rank_deficient_p_gives_no_nan():
