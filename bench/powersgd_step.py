@@ -12,7 +12,9 @@ One run, loopback gloo, one torch thread per worker; per model, side by side in 
   the hook's collectives can come in different orders on gloo);
 - ``convoy-R``: what ``convoy train --compress powersgd --powersgd-rank R`` runs, built by its own
   ``build_layout`` (the engine, ``AllReduce`` + ``PowerSGDCompressor`` + momentum correction with
-  clipping and weight decay), stepped by its ``train_step``.
+  clipping and weight decay), stepped by its ``train_step``;
+- ``convoy_blocking-R`` (with ``--blocking-rounds``): the same with each bucket's P all-reduce blocking
+  in ``start`` (``AllReduce.defers_rounds`` off), as the engine ran it before it deferred the round.
 
 The variants run in rounds of ``--round-steps`` steps (each round ends when its exchanges have, and
 all ranks start it together); the order of the variants rotates from round to round, so a burst of
@@ -24,7 +26,8 @@ Writes bench/results/powersgd_step[_TAG].{json,md}.
 
 ``--profile`` instead profiles convoy's step at each R: the auxiliary thread's CPU time per step
 (cProfile on that thread, timed by the thread's CPU clock), split into the stages of the exchange;
-writes bench/results/powersgd_profile[_TAG].{json,md}.
+writes bench/results/powersgd_profile[_TAG].{json,md}. ``--kernels`` times PowerSGD's two products with the
+thin factor on either side (bench/results/powersgd_kernels.{json,md}).
 """
 from __future__ import annotations
 
@@ -116,16 +119,24 @@ def _round(step: Step, finish: Step, steps: int) -> tuple[float, float]:
     return (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps
 
 
+def _kinds(blocking: bool) -> tuple[str, ...]:
+    return ("hook", "convoy", "convoy_blocking") if blocking else ("hook", "convoy")
+
+
 def worker(rank: int, world: int, name: str, ranks: list[int], batch: int, steps: int, rounds: int,
-           channels: int) -> dict:
+           channels: int, blocking: bool) -> dict:
     x, y = _batch(rank, batch, channels)
     variants: dict[str, tuple[Step, Step]] = {"floor": _floor(name, channels, x, y)}
-    engines = []
+    engines = {}
     for r in ranks:
         variants[f"hook-{r}"] = _hook(name, channels, r, x, y)
-        step, finish, engine = _convoy(name, channels, r, world, x, y, batch)
-        variants[f"convoy-{r}"] = (step, finish)
-        engines.append(engine)
+        for kind in _kinds(blocking)[1:]:
+            step, finish, engine = _convoy(name, channels, r, world, x, y, batch)
+            if kind == "convoy_blocking":
+                # The A/B switch: each bucket's P all-reduce blocks in start, as before the engine deferred it.
+                engine.sync.defers_rounds = False
+            variants[f"{kind}-{r}"] = (step, finish)
+            engines[f"{kind}-{r}"] = engine
     names = list(variants)
     for _ in range(WARMUP_ROUNDS):
         for v in names:
@@ -137,16 +148,17 @@ def worker(rank: int, world: int, name: str, ranks: list[int], batch: int, steps
             wall, cpu = _round(*variants[v], steps)
             out[v].append(wall)
             out[f"{v}_cpu"].append(cpu)
-    out["bytes_per_step"] = {f"convoy-{r}": e.sync.bytes_sent / e.step for r, e in zip(ranks, engines)}
+    out["bytes_per_step"] = {v: e.sync.bytes_sent / e.step for v, e in engines.items()}
     # How long the next forward waited for updates, per step: the exchange left on the critical path.
-    out["forward_wait"] = {f"convoy-{r}": statistics.median(e.stats(s).wait_s for s in range(WARMUP_ROUNDS * steps, e.step))
-                           for r, e in zip(ranks, engines)}
-    for engine in engines:
+    out["forward_wait"] = {v: statistics.median(e.stats(s).wait_s for s in range(WARMUP_ROUNDS * steps, e.step))
+                           for v, e in engines.items()}
+    for engine in engines.values():
         engine.close()
     return out
 
 
-def rows_for(name: str, world: int, ranks: list[int], results: list[dict], rounds: int) -> list[dict]:
+def rows_for(name: str, world: int, ranks: list[int], results: list[dict], rounds: int,
+             blocking: bool) -> list[dict]:
     """One row per variant: medians over rounds, ratios to the hook at the same R and to the floor."""
     def walls(v: str) -> list[float]:
         return [max(r[v][i] for r in results) for i in range(rounds)]
@@ -163,10 +175,10 @@ def rows_for(name: str, world: int, ranks: list[int], results: list[dict], round
              "wall/hook": None, "cpu/hook": None, "wall/floor": 1.0, "cpu/floor": 1.0}]
     for r in ranks:
         hook_wall, hook_cpu = walls(f"hook-{r}"), cpus(f"hook-{r}")
-        for kind in ("hook", "convoy"):
+        for kind in _kinds(blocking):
             v = f"{kind}-{r}"
             wall, cpu = walls(v), cpus(v)
-            wait = (statistics.median(res["forward_wait"][v] for res in results) if kind == "convoy" else None)
+            wait = statistics.median(res["forward_wait"][v] for res in results) if kind != "hook" else None
             rows.append({"model": name, "world": world, "variant": kind, "rank": r,
                          "step_s": statistics.median(wall), "cpu_s": statistics.median(cpu), "forward_wait_s": wait,
                          "wall/hook": ratio(wall, hook_wall), "cpu/hook": ratio(cpu, hook_cpu),
@@ -243,6 +255,7 @@ def profile_worker(rank: int, world: int, name: str, ranks: list[int], batch: in
 
 
 def profile(args: argparse.Namespace) -> None:
+    load_before = os.getloadavg()
     rows = []
     for name in args.models:
         channels = 3 if name == "resnet18" else 1
@@ -252,10 +265,49 @@ def profile(args: argparse.Namespace) -> None:
             for stage in results[0][r]:
                 rows.append({"model": name, "world": args.world, "rank": r, "stage": stage,
                              "cpu_ms_per_step": statistics.mean(res[r][stage] for res in results)})
-    settings = {**vars(args), "note": "auxiliary thread CPU ms per step (cProfile, thread CPU clock), mean over "
-                                      "ranks; stages by function (bench/powersgd_step.py STAGES)"}
+    settings = {**vars(args), "load_before": list(load_before), "load_after": list(os.getloadavg()),
+                "note": "auxiliary thread CPU ms per step (cProfile, thread CPU clock), mean over ranks; stages by "
+                        "function (bench/powersgd_step.py _stage_times)"}
     save("powersgd_profile" + (f"_{args.tag}" if args.tag else ""), settings, rows,
          ["model", "world", "rank", "stage", "cpu_ms_per_step"])
+
+
+# The largest matrices of each model: vgg_fc's two hidden fully-connected layers, resnet18's last convolutions.
+KERNEL_SHAPES = {"vgg_fc": ((1024, 2048), (1024, 1024)), "resnet18": ((512, 4608), (256, 2304))}
+
+
+def _thread_ms(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn()
+        times.append(time.thread_time() - start)
+    return 1000 * statistics.median(times)
+
+
+def kernels(args: argparse.Namespace) -> None:
+    """PowerSGD's two products with the thin factor on the right (as written) and on the left (as
+    convoy computes them), one thread: CPU ms each, and whether the two give the same bits."""
+    from convoy.compress.powersgd import times_thin   # here: --profile also runs on commits before it
+
+    torch.set_num_threads(1)
+    rows = []
+    for name in args.models:
+        for rows_, cols in KERNEL_SHAPES[name]:
+            for r in args.ranks:
+                g = torch.Generator().manual_seed(0)
+                m, q = torch.randn(rows_, cols, generator=g), torch.randn(cols, r, generator=g)
+                p = torch.randn(rows_, r, generator=g)
+                forms = {"P = M Q": (lambda: m @ q, lambda: times_thin(m, q)),
+                         "Q_i = M^T P": (lambda: m.T @ p, lambda: times_thin(m.T, p))}
+                for product, (right, left) in forms.items():
+                    rows.append({"model": name, "matrix": f"{rows_} x {cols}", "rank": r, "product": product,
+                                 "thin_right_ms": _thread_ms(right, args.rounds),
+                                 "thin_left_ms": _thread_ms(left, args.rounds),
+                                 "same_bits": bool(torch.equal(right(), left()))})
+    save("powersgd_kernels", {**vars(args), "note": "median CPU ms of --rounds calls, one torch thread"}, rows,
+         ["model", "matrix", "rank", "product", "thin_right_ms", "thin_left_ms", "same_bits"])
 
 
 def main() -> None:
@@ -269,17 +321,26 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="results go to powersgd_step_TAG")
     parser.add_argument("--profile", action="store_true",
                         help="profile convoy's auxiliary thread instead (rounds x round-steps steps per R)")
+    parser.add_argument("--blocking-rounds", action="store_true",
+                        help="also run convoy with each bucket's P all-reduce blocking in start (convoy_blocking): "
+                             "the engine's deferred rounds against the blocking ones, in the same run")
+    parser.add_argument("--kernels", action="store_true",
+                        help="time PowerSGD's products with the thin factor on either side instead (--rounds calls)")
     args = parser.parse_args()
     if args.profile:
         profile(args)
+        return
+    if args.kernels:
+        kernels(args)
         return
     load_before = os.getloadavg()
     rows = []
     for name in args.models:
         channels = 3 if name == "resnet18" else 1
-        results = spawn(worker, args.world, name, args.ranks, args.batch, args.round_steps, args.rounds, channels)
-        rows += rows_for(name, args.world, args.ranks, results, args.rounds)
-        for row in rows[-1 - 2 * len(args.ranks):]:
+        results = spawn(worker, args.world, name, args.ranks, args.batch, args.round_steps, args.rounds, channels,
+                        args.blocking_rounds)
+        rows += rows_for(name, args.world, args.ranks, results, args.rounds, args.blocking_rounds)
+        for row in rows[-1 - len(_kinds(args.blocking_rounds)) * len(args.ranks):]:
             print(row, flush=True)
     settings = {**vars(args), "lr": LR, "momentum": MOMENTUM, "weight_decay": WEIGHT_DECAY,
                 "hook_start_iter": HOOK_START_ITER, "load_before": list(load_before),

@@ -219,6 +219,9 @@ class Hierarchical(AllReduce):
             return record
 
     # ------------------------------------------------------- gradient exchange
+    # The final exchange reads the step's server that start sets: the rounds block in start.
+    defers_rounds = False
+
     def start(self, bucket: Any, grad: torch.Tensor) -> PendingSync:
         self._step = self._exchanges.get(bucket.index, self._first_step)
         self.exchange.remember_start(bucket)

@@ -181,6 +181,41 @@ def test_the_average_of_rank_r_gradients_sharing_a_column_space_is_exact():
     torch.testing.assert_close(results[0], expected, rtol=1e-5, atol=1e-5)
 
 
+def _deferred_rounds_worker(rank: int, world: int, defer: bool) -> dict:
+    """Five engine steps of a three-layer model, one layer per bucket, with P all-reduced blocking in
+    start or left in flight until the engine advances the exchange."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 48), torch.nn.ReLU(), torch.nn.Linear(48, 32),
+                                torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    strategy = AllReduce(dist.new_group(), PowerSGDCompressor(2), MomentumCorrection(0.9, masking=False))
+    strategy.defers_rounds = defer
+    engine = Engine(model, torch.optim.SGD, strategy, lr=0.1, bucket_bytes=0)
+    train_steps(model, engine, 5, seed=rank)
+    engine.close()
+    # Left in flight: the exchange is not done, however long it waits, until advanced.
+    probe = AllReduce(dist.new_group(), PowerSGDCompressor(2), ResidualMemory())
+    probe.defers_rounds = defer
+    bucket = one_layer_bucket((24, 3, 2, 2), (24,))
+    bucket.flat_grad().copy_(_low_rank_gradient(2, seed=rank))
+    pending = probe.start(bucket, bucket.flat_grad())
+    dist.barrier()
+    in_flight = not pending.is_done()
+    pending.advance()
+    return {"params": [p.detach().clone() for p in model.parameters()], "in_flight": in_flight,
+            "average": pending.wait(), "sent": strategy.traffic()[0]}
+
+
+@pytest.mark.timeout(120)
+def test_deferring_the_p_round_to_the_next_bucket_changes_no_bit():
+    """The engine starts the next bucket before taking the previous one's P sum (order P0 P1 Q0 P2 Q1 ...
+    on every rank); the parameters, the average and the bytes are those of the blocking rounds."""
+    deferred, blocking = run_workers(_deferred_rounds_worker, 2, True), run_workers(_deferred_rounds_worker, 2, False)
+    for a, b in zip(deferred + [deferred[0]], blocking + [deferred[1]]):   # each rank alike, and the ranks alike
+        assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
+        assert torch.equal(a["average"], b["average"]) and a["sent"] == b["sent"]
+    assert all(r["in_flight"] for r in deferred)
+
+
 JOB = ("--nproc", "2", "--batch-size", "32", "--lr-schedule", "constant", "--compress", "powersgd",
        "--no-progress", "--eval-every", "0")
 
