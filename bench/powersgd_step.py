@@ -149,6 +149,7 @@ def worker(rank: int, world: int, name: str, ranks: list[int], batch: int, steps
             out[v].append(wall)
             out[f"{v}_cpu"].append(cpu)
     out["bytes_per_step"] = {v: e.sync.bytes_sent / e.step for v, e in engines.items()}
+    out["buckets"] = {v: len(e.buckets) for v, e in engines.items()}
     # How long the next forward waited for updates, per step: the exchange left on the critical path.
     out["forward_wait"] = {v: statistics.median(e.stats(s).wait_s for s in range(WARMUP_ROUNDS * steps, e.step))
                            for v, e in engines.items()}
@@ -170,7 +171,7 @@ def rows_for(name: str, world: int, ranks: list[int], results: list[dict], round
         return statistics.median(p / q for p, q in zip(a, b))
 
     floor_wall, floor_cpu = walls("floor"), cpus("floor")
-    rows = [{"model": name, "world": world, "variant": "floor", "rank": None,
+    rows = [{"model": name, "world": world, "variant": "floor", "rank": None, "buckets": 0,
              "step_s": statistics.median(floor_wall), "cpu_s": statistics.median(floor_cpu), "forward_wait_s": None,
              "wall/hook": None, "cpu/hook": None, "wall/floor": 1.0, "cpu/floor": 1.0}]
     for r in ranks:
@@ -180,6 +181,7 @@ def rows_for(name: str, world: int, ranks: list[int], results: list[dict], round
             wall, cpu = walls(v), cpus(v)
             wait = statistics.median(res["forward_wait"][v] for res in results) if kind != "hook" else None
             rows.append({"model": name, "world": world, "variant": kind, "rank": r,
+                         "buckets": results[0]["buckets"][v] if kind != "hook" else 1,
                          "step_s": statistics.median(wall), "cpu_s": statistics.median(cpu), "forward_wait_s": wait,
                          "wall/hook": ratio(wall, hook_wall), "cpu/hook": ratio(cpu, hook_cpu),
                          "wall/floor": ratio(wall, floor_wall), "cpu/floor": ratio(cpu, floor_cpu)})
@@ -212,7 +214,7 @@ def _stage_times(stats: pstats.Stats, steps: int) -> dict[str, float]:
         "flat parameters (for weight decay)": ms("sync/allreduce.py:start") - ms("sync/allreduce.py:start_flat"),
         "momentum correction (clip, weight decay, velocity)": ms("compress/momentum.py:compensate"),
         "P = M Q": ms("compress/powersgd.py:compress"),
-        "P all-reduce (blocking)": ms("sync/allreduce.py:_agree"),
+        "P all-reduce": ms("sync/allreduce.py:_agree") + ms("sync/allreduce.py:_agree_async"),
         "orthonormalise P, Q_i = M^T P": ms("compress/powersgd.py:next_round"),
         # before the fused residual: decompress, then subtract (update); after: keep_unsent
         "residual (M_i - P Q_i^T)": (ms("compress/powersgd.py:decompress", "sync/allreduce.py:start_flat")
@@ -348,7 +350,7 @@ def main() -> None:
                 "note": "medians over rounds; wall: the slowest rank's round / steps; cpu: process CPU seconds "
                         "(all threads) per step, mean over ranks; ratios: medians of per-round ratios"}
     save("powersgd_step" + (f"_{args.tag}" if args.tag else ""), settings, rows,
-         ["model", "world", "variant", "rank", "step_s", "cpu_s", "forward_wait_s", "wall/hook", "cpu/hook", "wall/floor",
+         ["model", "world", "variant", "rank", "buckets", "step_s", "cpu_s", "forward_wait_s", "wall/hook", "cpu/hook", "wall/floor",
           "cpu/floor"])
 
 
