@@ -25,7 +25,7 @@ sent over the steps still adds up exactly to the velocities accumulated.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 

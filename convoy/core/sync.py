@@ -48,7 +48,7 @@ class PendingSync(ABC):
 
     def advance(self) -> None:
         """Start the rest of an exchange whose intermediate round was left in flight (PowerSGD's
-        ``P``, see :attr:`SyncStrategy.start`); nothing for an exchange started whole.
+        ``P``, see :meth:`SyncStrategy.start`); nothing for an exchange started whole.
 
         It issues collectives: call it at points every rank reaches in the same order (the
         engine: after starting the next bucket, and after the step's last).
