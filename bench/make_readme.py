@@ -355,6 +355,54 @@ def _hybrid() -> str:
                   for r in rows])
 
 
+POWERSGD_CHANGES = (("before", "before"), ("c1", "+ average in the gradient buffer"), ("c2", "+ residual in one pass"),
+                    ("c3", "+ thin factor on the left"), ("c4", "+ parameters read in place"),
+                    ("c5", "+ column scales on scalars"), ("c6", "+ P left in flight"))
+
+
+def _powersgd_step() -> str:
+    """convoy's powersgd against the hook at each R, before and after the changes; after: against the floor."""
+    def by_key(name: str) -> dict[tuple, Row]:
+        return {(r["model"], r["variant"], r["rank"]): r for r in rows_of(name)}
+
+    before, after = by_key("powersgd_step_before"), by_key("powersgd_step_after")
+    cells = []
+    for (model, variant, rank), row in after.items():
+        if variant != "convoy":
+            continue
+        old = before.get((model, variant, rank), {})
+        blocking = after.get((model, "convoy_blocking", rank), {})
+        cells.append([model, str(rank), str(row.get("buckets", "-")), seconds(after[(model, "floor", None)]["cpu_s"]),
+                      seconds(after[(model, "hook", rank)]["cpu_s"]), seconds(row["cpu_s"]),
+                      number(old.get("cpu/hook")), number(row["cpu/hook"]), number(old.get("wall/hook")),
+                      number(row["wall/hook"]), number(blocking.get("wall/hook")), number(row["cpu/floor"]),
+                      number(row["wall/floor"]), seconds(row["forward_wait_s"]),
+                      seconds(blocking.get("forward_wait_s"))])
+    return table(["model", "R", "convoy buckets", "floor CPU / step", "hook CPU / step", "convoy CPU / step", "convoy CPU / hook, before",
+                  "after", "convoy wall / hook, before", "after", "after, P blocking", "convoy CPU / floor",
+                  "convoy wall / floor", "forward waiting", "forward waiting, P blocking"], cells)
+
+
+def _powersgd_profile() -> str:
+    """The auxiliary thread's CPU per stage, at each change (each file measured on its commit)."""
+    stages = {tag: {(r["model"], r["rank"], r["stage"]): r["cpu_ms_per_step"] for r in rows_of(f"powersgd_profile_{tag}")}
+              for tag, _ in POWERSGD_CHANGES}
+    keys = [(r["model"], r["rank"], r["stage"]) for r in rows_of("powersgd_profile_before")]
+    return table(["model", "R", "stage (CPU ms / step)", *(label for _, label in POWERSGD_CHANGES)],
+                 [[model, str(rank), stage, *(f"{stages[tag][(model, rank, stage)]:.1f}"
+                                              if (model, rank, stage) in stages[tag] else "-"
+                                              for tag, _ in POWERSGD_CHANGES)]
+                  for model, rank, stage in keys])
+
+
+def _powersgd_kernels() -> str:
+    rows = rows_of("powersgd_kernels")
+    return table(["model", "matrix", "R", "product", "thin factor right", "thin factor left", "faster", "same bits"],
+                 [[r["model"], r["matrix"], str(r["rank"]), r["product"], f"{r['thin_right_ms']:.2f} ms",
+                   f"{r['thin_left_ms']:.2f} ms", times(r["thin_right_ms"] / r["thin_left_ms"]),
+                   "yes" if r["same_bits"] else "no"] for r in rows])
+
+
 def _hierarchical() -> str:
     rows = rows_of("hierarchical")
     return table(["run", "steps", "time to 97%", "accuracy at the common step", "final accuracy", "step (median)",
@@ -623,6 +671,18 @@ BLOCKS: tuple[Block, ...] = (
           _compression_wire_bytes),
     Block("compression_accuracy", "Accuracy of the compressors, lenet, 4 workers", ("compression_accuracy",),
           "python -m bench.compression.accuracy", "torch DDP with torch's PowerSGD hook", _compression_accuracy),
+    Block("powersgd_step", "convoy's PowerSGD step against DDP + torch's PowerSGD hook, loopback",
+          ("powersgd_step_after", "powersgd_step_before"),
+          "python bench/powersgd_step.py --blocking-rounds --tag after; --tag before on the commit before the changes",
+          "DDP + torch's powerSGD_hook at the same rank R (warm start, error feedback, one bucket) and the same "
+          "ranks with no exchange (the floor), rounds interleaved in each run", _powersgd_step),
+    Block("powersgd_profile", "Where convoy's PowerSGD step spends its auxiliary thread's CPU",
+          tuple(f"powersgd_profile_{tag}" for tag, _ in POWERSGD_CHANGES),
+          "python bench/powersgd_step.py --profile --ranks 4 --rounds 6 --tag TAG, each on its commit",
+          "the step before each change", _powersgd_profile),
+    Block("powersgd_kernels", "PowerSGD's products with the thin factor on either side", ("powersgd_kernels",),
+          "python bench/powersgd_step.py --kernels --rounds 30",
+          "the products as written, thin factor on the right (what convoy ran before)", _powersgd_kernels),
     Block("sparse_accuracy", "Compressed against dense, vgg_fc, 2 workers, 300 steps", ("sparse_accuracy",),
           "python -m bench.sparse_accuracy", "dense all-reduce (accuracy and bytes over the whole run)",
           _sparse_accuracy),

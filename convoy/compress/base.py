@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -116,6 +116,26 @@ class Compressor(ABC):
             self.decompress_add(payload, ctx, total)
         return total, None
 
+    def decompress_sum_into(self, payloads: list[Payload], ctx: Any,
+                            out: torch.Tensor) -> tuple[torch.Tensor, Support | None]:
+        """:meth:`decompress_sum`, built in ``out`` where the compressor would otherwise make a new
+        tensor. ``out`` has the sum's size and type and the caller no longer needs it (the exchanged
+        gradient), so building the sum there spares an allocation and the caller's copy into its
+        buffer (PowerSGD). The default ignores it; what is returned is the sum either way.
+        """
+        return self.decompress_sum(payloads, ctx)
+
+    def unsent(self, compensated: torch.Tensor, payload: Payload, ctx: Any,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """``compensated`` minus what ``payload`` (this rank's final payload) sends of it: the
+        error-feedback residual, written into ``out`` when given.
+
+        The default decompresses the payload and subtracts; a compressor may compute the
+        same difference without the decompressed tensor (PowerSGD).
+        """
+        sent = self.decompress(payload, ctx)
+        return compensated - sent if out is None else torch.sub(compensated, sent, out=out)
+
     def more_rounds(self, ctx: Any) -> bool:
         """Whether the payload just made is an intermediate round (PowerSGD's P before its Q).
 
@@ -158,7 +178,7 @@ class Compressor(ABC):
 class Memory(ABC):
     """What a compressor could not send, kept for the next step (error feedback)."""
 
-    # Whether compensate wants the layer's flat parameters (to add weight decay).
+    # Whether compensate wants the layer's parameters (to add weight decay).
     needs_params: bool = False
     # The kinds of :meth:`kept` whose tensors are replaced by new ones every step, never
     # written into: a reference to one is a snapshot (a checkpoint need not copy it).
@@ -170,15 +190,29 @@ class Memory(ABC):
 
     @abstractmethod
     def compensate(self, tensor: torch.Tensor, name: str,
-                   params: torch.Tensor | None = None) -> torch.Tensor:
+                   params: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """Add what earlier steps left unsent to this step's gradient.
 
-        ``params`` are the layer's flat parameters, given when ``needs_params``.
+        ``params`` are the layer's parameters, given when ``needs_params``: flat,
+        or each parameter tensor in the order the flat gradient concatenates them.
         """
 
     @abstractmethod
     def update(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> None:
         """Remember ``compensated - sent`` as the new residual."""
+
+    def keep_unsent(self, compensated: torch.Tensor, name: str, compressor: Compressor, payload: Payload,
+                    ctx: Any) -> None:
+        """:meth:`update` with what ``compressor`` sends of ``compensated`` in ``payload`` (its
+        decompression). A memory whose update is the residual alone overrides it to have the
+        compressor compute the residual directly (:meth:`Compressor.unsent`); a subclass of one
+        of those that overrides :meth:`update` overrides this too."""
+        self.update(compensated, name, compressor.decompress(payload, ctx))
+
+    def unsent_residual(self, compensated: torch.Tensor, name: str, compressor: Compressor, payload: Payload,
+                        ctx: Any) -> torch.Tensor:
+        """The new residual ``compensated - sent`` of ``payload``, where :attr:`place` puts it."""
+        return compressor.unsent(compensated, payload, ctx, self.placed(f"residual.{name}", compensated))
 
     def placed(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
         """Where :attr:`place` puts the new tensor of ``key``; None: a new tensor."""
@@ -213,11 +247,15 @@ class NoMemory(Memory):
     """Drop whatever was not sent."""
 
     def compensate(self, tensor: torch.Tensor, name: str,
-                   params: torch.Tensor | None = None) -> torch.Tensor:
+                   params: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         return tensor
 
     def update(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> None:
         pass
+
+    def keep_unsent(self, compensated: torch.Tensor, name: str, compressor: Compressor, payload: Payload,
+                    ctx: Any) -> None:
+        pass   # nothing kept: the payload need not be decompressed
 
 
 class ResidualMemory(Memory):
@@ -233,12 +271,16 @@ class ResidualMemory(Memory):
         self.residuals: dict[str, torch.Tensor] = {}
 
     def compensate(self, tensor: torch.Tensor, name: str,
-                   params: torch.Tensor | None = None) -> torch.Tensor:
+                   params: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         residual = self.residuals.get(name)
         return tensor if residual is None else tensor + residual
 
     def update(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> None:
         self.residuals[name] = self.new_residual(compensated, name, sent)
+
+    def keep_unsent(self, compensated: torch.Tensor, name: str, compressor: Compressor, payload: Payload,
+                    ctx: Any) -> None:
+        self.residuals[name] = self.unsent_residual(compensated, name, compressor, payload, ctx)
 
     def forget(self, name: str) -> None:
         self.residuals.pop(name, None)

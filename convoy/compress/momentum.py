@@ -25,10 +25,11 @@ sent over the steps still adds up exactly to the velocities accumulated.
 from __future__ import annotations
 
 import math
+from typing import Any, Sequence
 
 import torch
 
-from convoy.compress.base import Memory
+from convoy.compress.base import Compressor, Memory, Payload
 
 
 class MomentumCorrection(Memory):
@@ -74,10 +75,10 @@ class MomentumCorrection(Memory):
         self.residuals: dict[str, torch.Tensor] = {}
 
     def compensate(self, tensor: torch.Tensor, name: str,
-                   params: torch.Tensor | None = None) -> torch.Tensor:
+                   params: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         gradient = self._clipped(tensor)
         if self.weight_decay and params is not None:
-            gradient = gradient.add(params, alpha=self.weight_decay)   # as torch's SGD adds it
+            gradient = self._decayed(gradient, params)
         velocity = self.velocities.get(name)
         if velocity is None:
             velocity = gradient.clone()
@@ -98,12 +99,34 @@ class MomentumCorrection(Memory):
             self.velocities[name].masked_fill_((sent != 0) & (delayed != 0), 0.0)
         self.residuals[name] = self.new_residual(compensated, name, sent)
 
+    def keep_unsent(self, compensated: torch.Tensor, name: str, compressor: Compressor, payload: Payload,
+                    ctx: Any) -> None:
+        if self.masking:   # the mask needs what was sent, value by value
+            super().keep_unsent(compensated, name, compressor, payload, ctx)
+        else:
+            self.residuals[name] = self.unsent_residual(compensated, name, compressor, payload, ctx)
+
     def forget(self, name: str) -> None:
         self.residuals.pop(name, None)
         self.velocities.pop(name, None)
 
     def kept(self) -> dict[str, dict[str, torch.Tensor]]:
         return {"residual": self.residuals, "velocity": self.velocities}
+
+    def _decayed(self, gradient: torch.Tensor, params: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        """``gradient + weight_decay * params``, as torch's SGD adds it; parameters given one by one are
+        read in place, each into its range of the result (the same element-wise sums)."""
+        if isinstance(params, torch.Tensor):
+            return gradient.add(params, alpha=self.weight_decay)
+        total = sum(p.numel() for p in params)
+        if total != gradient.numel():
+            raise ValueError(f"the parameters hold {total} values, the gradient {gradient.numel()}")
+        out, offset = torch.empty_like(gradient), 0
+        for p in params:
+            end = offset + p.numel()
+            torch.add(gradient[offset:end], p.reshape(-1), alpha=self.weight_decay, out=out[offset:end])
+            offset = end
+        return out
 
     def _clipped(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.local_clip is None:

@@ -34,9 +34,10 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from convoy.compress.base import Compressor, LayerInfo, Memory, Payload, ResidualMemory
+from convoy.compress.base import Compressor, LayerInfo, Memory, Payload, ResidualMemory, Support
 from convoy.compress.registry import CompressorSpec, register
 
 
@@ -72,6 +73,23 @@ class _Exchange:
     remote: bool = False   # the final payload carries the bases (a receiver without the rounds decodes it)
 
 
+def times_thin(matrix: torch.Tensor, thin: torch.Tensor) -> torch.Tensor:
+    """``matrix @ thin`` for a ``thin`` of few columns (the rank), computed as ``(thin^T matrix^T)^T``.
+
+    The same products, summed in another order (the last bits differ from
+    ``matrix @ thin``; every rank computes alike). CPU GEMM streams the large
+    matrix several times faster with the thin factor on the left than on the
+    right, for ``M Q`` and more for ``M^T P`` (measured in docs/compression.md).
+    Returns a transposed view; ``reshape(-1)`` lays it out row by row, as
+    ``matrix @ thin`` would be.
+
+    Example::
+
+        >>> torch.testing.assert_close(times_thin(m, q), m @ q)
+    """
+    return (thin.T @ matrix.T).T
+
+
 def orthonormalise(matrix: torch.Tensor, eps: float = 1e-8, rel_tol: float = 1e-5) -> torch.Tensor:
     """Gram-Schmidt on ``matrix``'s columns, in place; returns it.
 
@@ -87,12 +105,29 @@ def orthonormalise(matrix: torch.Tensor, eps: float = 1e-8, rel_tol: float = 1e-
             before = matrix[:, :i]
             length = torch.linalg.vector_norm(column)
             column.sub_(before @ (before.T @ column))
-            left = torch.linalg.vector_norm(column)
-            # One scale, no branch: 1 / length, or 0 where only rounding error is left.
-            column.mul_(torch.where(left > length * rel_tol + eps, 1 / left.clamp_min(eps), 0.0))
+            column.mul_(_column_scale(torch.linalg.vector_norm(column), length, eps, rel_tol))
         else:
             column.div_(torch.linalg.vector_norm(column).clamp_min(eps))
     return matrix
+
+
+# numpy scalars of the tensor types that have one: they round as the tensors' 0-dim operations do.
+_SCALAR_TYPES = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def _column_scale(left: torch.Tensor, length: torch.Tensor, eps: float, rel_tol: float) -> float | torch.Tensor:
+    """``1 / left``, or 0 where only rounding error is left (``left <= length * rel_tol + eps``).
+
+    On scalars of the columns' own type where numpy has one: each operation rounds as on the
+    0-dim tensors (``rel_tol`` and ``eps`` taken in that type first, as a tensor operation takes
+    a Python number), so the scale has the same bits, without five small tensor operations per
+    column (a few microseconds each, for every column of every layer, every step).
+    """
+    kind = _SCALAR_TYPES.get(left.dtype)
+    if kind is None:
+        return torch.where(left > length * rel_tol + eps, 1 / left.clamp_min(eps), 0.0)
+    left_, length_, eps_ = kind(left.item()), kind(length.item()), kind(eps)
+    return float(kind(1) / np.maximum(left_, eps_)) if left_ > length_ * kind(rel_tol) + eps_ else 0.0
 
 
 class PowerSGDCompressor(Compressor):
@@ -168,7 +203,7 @@ class PowerSGDCompressor(Compressor):
         if not ctx.matrices:
             return self._final_payload(ctx)
         # 1. P_i = M_i Q, with the Q every rank shares.
-        products = [m @ self._shared_q(name, i, m) for i, m in enumerate(ctx.matrices)]
+        products = [times_thin(m, self._shared_q(name, i, m)) for i, m in enumerate(ctx.matrices)]
         return [torch.cat([p.reshape(-1) for p in products])], ctx
 
     def more_rounds(self, ctx: Any) -> bool:
@@ -189,7 +224,7 @@ class PowerSGDCompressor(Compressor):
         for segment in ctx.segments:
             if segment.low_rank:
                 matrix, basis = next(factored)
-                parts.append((matrix.T @ basis).reshape(-1))
+                parts.append(times_thin(matrix.T, basis).reshape(-1))
             else:
                 parts.append(ctx.flat[segment.offset:segment.offset + segment.numel])
         # A fresh tensor: the exchange sums it in place, the gradient must stay.
@@ -199,10 +234,24 @@ class PowerSGDCompressor(Compressor):
         return payload, ctx
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        return self._decompress(payload, ctx, None)
+
+    def decompress_sum_into(self, payloads: list[Payload], ctx: Any,
+                            out: torch.Tensor) -> tuple[torch.Tensor, Support | None]:
+        if len(payloads) != 1:   # summable: an exchange sums the payloads, it never hands over several
+            return self.decompress_sum(payloads, ctx)
+        return self._decompress(payloads[0], ctx, out), None
+
+    def _decompress(self, payload: Payload, ctx: Any, out: torch.Tensor | None) -> torch.Tensor:
         # 5. The update is P^ Q^T per factored parameter; keep Q as the next warm start
         # (a remote payload is one worker's Q_i: the workers keep their sum, keep_sum).
+        # Every value of ``out`` is written; nothing here reads ctx.flat, which ``out`` may be.
         wire = payload[0]
-        out = torch.empty(ctx.flat.numel(), dtype=ctx.flat.dtype)
+        if out is None:
+            out = torch.empty(ctx.flat.numel(), dtype=ctx.flat.dtype)
+        elif out.shape != (ctx.flat.numel(),) or out.dtype != ctx.flat.dtype:
+            raise ValueError(f"out must be a flat {ctx.flat.dtype} tensor of {ctx.flat.numel()} values, "
+                             f"got {out.dtype} {tuple(out.shape)}")
         position, bases = 0, iter(self._bases(payload, ctx))
         for segment in ctx.segments:
             target = out[segment.offset:segment.offset + segment.numel]
@@ -216,6 +265,29 @@ class PowerSGDCompressor(Compressor):
         if not ctx.remote:
             self.keep_sum(payload, ctx)
         return out
+
+    def unsent(self, compensated: torch.Tensor, payload: Payload, ctx: Any,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        # The residual M_i - P^ Q_i^T in one pass per factored parameter: addmm subtracts each
+        # product as it is computed (alpha -1 is exact, and the product is summed and rounded
+        # as matmul does it, so the difference is the same as subtracting the decompressed
+        # payload), without a decompressed tensor. Dense values: what was sent is themselves.
+        wire, flat = payload[0], compensated.reshape(-1)
+        out = torch.empty_like(flat) if out is None else out.reshape(-1)
+        position, bases = 0, iter(self._bases(payload, ctx))
+        for segment in ctx.segments:
+            end = segment.offset + segment.numel
+            if segment.low_rank:
+                q = wire[position:position + segment.cols * self.rank].view(segment.cols, self.rank)
+                shape = (segment.rows, segment.cols)
+                torch.addmm(flat[segment.offset:end].view(shape), next(bases), q.T, alpha=-1,
+                            out=out[segment.offset:end].view(shape))
+                position += segment.cols * self.rank
+            else:
+                torch.sub(flat[segment.offset:end], wire[position:position + segment.numel],
+                          out=out[segment.offset:end])
+                position += segment.numel
+        return out.view_as(compensated)
 
     def keep_sum(self, summed: Payload, ctx: Any) -> None:
         """Keep each factored parameter's ``Q`` of ``summed`` (the final payload summed over the ranks)."""

@@ -46,6 +46,14 @@ class PendingSync(ABC):
     def wait(self) -> torch.Tensor:
         """Block until the exchange ends; return the averaged flat gradient."""
 
+    def advance(self) -> None:
+        """Start the rest of an exchange whose intermediate round was left in flight (PowerSGD's
+        ``P``, see :meth:`SyncStrategy.start`); nothing for an exchange started whole.
+
+        It issues collectives: call it at points every rank reaches in the same order (the
+        engine: after starting the next bucket, and after the step's last).
+        """
+
     def future(self) -> torch.futures.Future:
         """A torch Future of the averaged flat gradient (what a DDP comm hook returns).
 
@@ -83,7 +91,9 @@ class SyncStrategy(ABC):
         """Begin exchanging ``grad``, the flat local gradient of ``bucket``'s layers.
 
         ``bucket`` is an engine bucket: ``index`` (the same on every rank),
-        ``layers``, ``params``.
+        ``layers``, ``params``. An exchange of several rounds may return with
+        its first round in flight; the engine calls its :meth:`PendingSync.advance`
+        once the next bucket's exchange has started (or the step's last has).
         """
 
     def next_done(self, pending: Sequence[PendingSync]) -> int:

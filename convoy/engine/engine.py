@@ -323,10 +323,20 @@ class Engine:
         sent0, received0 = self.sync.traffic()
         in_flight: list[tuple[Bucket, PendingSync]] = []
         exchanged: list[Bucket] = []   # with a gate: buckets whose update waits for the whole step
+        previous: PendingSync | None = None
         for bucket in self.buckets:
             self._wait_ready(bucket, step)                                         # 1. gradient ready
-            in_flight.append((bucket, self.sync.start(bucket, bucket.flat_grad())))   # 2. exchange
+            pending = self.sync.start(bucket, bucket.flat_grad())                  # 2. exchange
+            if previous is not None:
+                # The previous bucket's second round (PowerSGD's Q) goes out once this one's first
+                # is out: its first round's sum had this bucket's wait and compression to arrive,
+                # instead of stalling this thread. The same order on every rank: P0 P1 Q0 P2 Q1 ...
+                previous.advance()
+            in_flight.append((bucket, pending))
+            previous = pending
             self._finish_done(in_flight, step, exchanged)
+        if previous is not None:
+            previous.advance()
         if self.gate is not None and self.sync.returns_parameters:
             # Every push is out; the updating ranks (servers) decide the step with this rank in the gate's group.
             self.gate.follow(step)

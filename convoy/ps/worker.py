@@ -172,11 +172,12 @@ class PushPull(AllReduce):
             self._current = (unit, step)
             params = self.job.layers[unit][2]
             unit_grad = grad if len(units) == 1 else _rows_of(grad, bucket.params, params)
-            flat = torch.cat([p.detach().reshape(-1) for p in params]) if self.memory.needs_params else None
-            self.start_flat(unit, self.job.shapes(unit), unit_grad, flat)
+            decay = [p.detach() for p in params] if self.memory.needs_params else None
+            self.start_flat(unit, self.job.shapes(unit), unit_grad, decay)
         return _Pull(self, units, step)
 
-    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any) -> None:   # start's _Pull waits
+    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any,
+                  out: torch.Tensor | None = None) -> None:   # start's _Pull waits
         layer, step = self._current
         width = wire_width(compressor, payload, ctx)
         row = pack_row(payload, width)

@@ -1,7 +1,7 @@
 """Flat data parallelism: every layer's gradient is all-reduced (or, compressed, all-gathered) and averaged."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,32 @@ class _PendingAllReduce(PendingSync):
         return average
 
 
+class _PendingRounds(PendingSync):
+    """An exchange whose intermediate round is being summed (PowerSGD's ``P``, all-reduced in place);
+    :meth:`advance` waits for the sum and runs the rest (``rest(summed payload)``: the next rounds
+    and the final exchange)."""
+
+    def __init__(self, sums: list[AsyncCollective], payload: list[torch.Tensor],
+                 rest: Callable[[list[torch.Tensor]], PendingSync]):
+        self._sums, self._payload, self._rest = sums, payload, rest
+        self._final: PendingSync | None = None
+
+    def advance(self) -> None:
+        if self._final is None:
+            for summed in self._sums:
+                summed.wait()
+            self._final = self._rest(self._payload)
+
+    def is_done(self) -> bool:
+        return self._final is not None and self._final.is_done()
+
+    def wait(self) -> torch.Tensor:
+        self.advance()
+        average = self._final.wait()
+        self.support = self._final.support
+        return average
+
+
 class AllReduce(SyncStrategy):
     """Asynchronous exchange of each layer's (compressed) gradient, then average.
 
@@ -73,6 +99,10 @@ class AllReduce(SyncStrategy):
     # Whether the final payload goes to a receiver that took no part in the
     # rounds (LayerInfo.remote): a parameter-server push.
     remote_payloads = False
+    # Whether ``start`` leaves a compressor's first intermediate round (PowerSGD's P) in flight for
+    # PendingSync.advance. A strategy whose final exchange reads what the latest start set
+    # (hierarchical sync: the step's server) turns it off: its rounds block in start.
+    defers_rounds = True
 
     def __init__(self, group: dist.ProcessGroup | None = None,
                  compressor: Compressor | None = None, memory: Memory | None = None,
@@ -113,21 +143,27 @@ class AllReduce(SyncStrategy):
         return WARMUP_START_DENSITY * (target / WARMUP_START_DENSITY) ** (step / self.warmup_steps)
 
     def start(self, bucket: Any, grad: torch.Tensor) -> PendingSync:
-        params = (torch.cat([p.detach().reshape(-1) for p in bucket.params])
-                  if self.memory.needs_params else None)
+        # The parameters one by one: the memory reads them in place, no flat copy per step.
+        params = [p.detach() for p in bucket.params] if self.memory.needs_params else None
         layers = tuple(layer.name for layer in bucket.layers) if self.replay is not None else None
-        return self.start_flat(bucket.index, tuple(p.shape for p in bucket.params), grad, params, layers)
+        return self.start_flat(bucket.index, tuple(p.shape for p in bucket.params), grad, params, layers,
+                               defer_rounds=self.defers_rounds)
 
     def start_flat(self, index: int, shapes: tuple[torch.Size, ...], grad: torch.Tensor,
-                   params: torch.Tensor | None = None, layers: tuple[str, ...] | None = None) -> PendingSync:
+                   params: torch.Tensor | Sequence[torch.Tensor] | None = None,
+                   layers: tuple[str, ...] | None = None, defer_rounds: bool = False) -> PendingSync:
         """Begin exchanging ``grad``, the concatenated gradients of parameters of ``shapes``.
 
         ``index`` names the bucket, the same on every rank (error feedback and
         warm-up are kept per index); callers that have no engine ``Bucket``
-        (a DDP comm hook) use this entry. ``params`` are the bucket's flat
-        parameters, needed only when the error memory asks for them
-        (momentum correction adds weight decay). ``layers`` names the bucket's
-        layers for :attr:`replay`.
+        (a DDP comm hook) use this entry. ``grad`` is the exchange's to
+        overwrite: the average may be built in it (uncompressed it is summed
+        in place, PowerSGD decompresses into it). ``params`` are the bucket's
+        parameters (flat, or each tensor in order), needed only when the error
+        memory asks for them (momentum correction adds weight decay). ``layers`` names the bucket's
+        layers for :attr:`replay`. ``defer_rounds``: a compressor's intermediate round
+        (PowerSGD's ``P``) is all-reduced asynchronously and the rest of the exchange waits
+        for :meth:`PendingSync.advance` (its sum is taken there); otherwise the rounds block here.
         """
         step = self._exchanges.get(index, self._first_step)
         self._exchanges[index] = step + 1
@@ -140,15 +176,27 @@ class AllReduce(SyncStrategy):
         info = LayerInfo(shapes=shapes, agree=self._agree, step=step, density=self.warmup_density(step),
                          world_size=self.world_size, remote=self.remote_payloads)
         payload, ctx = compressor.compress(compensated, name, info)
+
+        def rest(summed: list[torch.Tensor]) -> PendingSync:   # after the deferred round's sum
+            return self._last_round(compressor, *compressor.next_round(summed, ctx), compensated, name, step,
+                                    layers, grad)
+
+        if defer_rounds and self.world_size > 1 and compressor.more_rounds(ctx):
+            return _PendingRounds([self._agree_async(t) for t in payload], payload, rest)
+        return self._last_round(compressor, payload, ctx, compensated, name, step, layers, grad)
+
+    def _last_round(self, compressor: Compressor, payload: Any, ctx: Any, compensated: torch.Tensor, name: str,
+                    step: int, layers: tuple[str, ...] | None, grad: torch.Tensor) -> PendingSync:
+        """The rounds left (each summed now, blocking), error feedback, and the final exchange."""
         while compressor.more_rounds(ctx):   # PowerSGD's P: summed now, the last round below
             payload, ctx = compressor.next_round([self._agree(t) for t in payload], ctx)
-        self.memory.update(compensated, name, compressor.decompress(payload, ctx))
+        self.memory.keep_unsent(compensated, name, compressor, payload, ctx)
         logged = self.replay(step, layers) if self.replay is not None and layers is not None else None
         if logged is not None:
             # A resume replaying a logged step: the memory moved on as in training; the
             # average the ranks computed then is in the log, so nothing crosses the network.
             return Done(logged)
-        return self._exchange(compressor, payload, ctx)
+        return self._exchange(compressor, payload, ctx, grad)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The memory's residuals (and velocities), and the compressor's warm start."""
@@ -162,21 +210,25 @@ class AllReduce(SyncStrategy):
         """A parameter-sized tensor per kind the memory keeps, and the compressor's own."""
         return params_bytes * len(self.memory.kept()) + self.compressor.state_bytes_bound(params_bytes)
 
-    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any) -> PendingSync:
+    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any,
+                  out: torch.Tensor | None = None) -> PendingSync:
+        """Exchange the final payload; ``out`` (the exchanged gradient, or None) may receive the average."""
         if self.world_size == 1:
             return Done(*compressor.decompress_sum([payload], ctx))
         if compressor.summable:
-            return self._all_reduce(compressor, payload, ctx)
+            return self._all_reduce(compressor, payload, ctx, out)
         return self._all_gather(compressor, payload, ctx)
 
-    def _all_reduce(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any) -> PendingSync:
+    def _all_reduce(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any,
+                    out: torch.Tensor | None = None) -> PendingSync:
         (wire,) = payload
         sent = AsyncCollective(wire, lambda: dist.all_reduce(wire, group=self.group, async_op=True))
         moved = ring_allreduce_bytes(wire.numel() * wire.element_size(), self.world_size)
         self._count(moved, moved)
 
         def finish() -> tuple[torch.Tensor, Support | None]:
-            total, support = compressor.decompress_sum([[wire]], ctx)
+            total, support = (compressor.decompress_sum([[wire]], ctx) if out is None
+                              else compressor.decompress_sum_into([[wire]], ctx, out))
             return total.div_(self.world_size), support
 
         return _PendingAllReduce(sent, finish)
@@ -212,6 +264,12 @@ class AllReduce(SyncStrategy):
         moved = ring_allreduce_bytes(largest.element_size(), self.world_size)
         self._count(moved, moved)
         return int(largest)
+
+    def _agree_async(self, tensor: torch.Tensor) -> AsyncCollective:
+        """Start summing ``tensor`` over the group in place; what to wait on."""
+        moved = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.world_size)
+        self._count(moved, moved)
+        return AsyncCollective(tensor, lambda: dist.all_reduce(tensor, group=self.group, async_op=True))
 
     def _agree(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the group, blocking (block scores of a global selection)."""

@@ -219,13 +219,17 @@ class Hierarchical(AllReduce):
             return record
 
     # ------------------------------------------------------- gradient exchange
+    # The final exchange reads the step's server that start sets: the rounds block in start.
+    defers_rounds = False
+
     def start(self, bucket: Any, grad: torch.Tensor) -> PendingSync:
         self._step = self._exchanges.get(bucket.index, self._first_step)
         self.exchange.remember_start(bucket)
         self._reap_sends()
         return super().start(bucket, grad)
 
-    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any) -> PendingSync:
+    def _exchange(self, compressor: Compressor, payload: Any, ctx: Any,
+                  out: torch.Tensor | None = None) -> PendingSync:
         if len(self.members) == 1:
             return Done(compressor.decompress(payload, ctx))
         if compressor.summable:

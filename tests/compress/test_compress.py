@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from convoy.compress import (BlockLayout, BlockTopKCompressor, FP16Compressor, LayerInfo, RandomKCompressor,
-                             ResidualMemory, TopKCompressor, build_compressor)
+from convoy.compress import (BlockLayout, BlockTopKCompressor, FP16Compressor, LayerInfo, MomentumCorrection,
+                             RandomKCompressor, ResidualMemory, TopKCompressor, build_compressor)
 from convoy.compress.blocks import cut
 from convoy.engine import Engine
 from convoy.engine.layers import Bucket, Layer
@@ -203,3 +203,21 @@ def test_fp16_payloads_of_huge_gradients_sum_to_finite_values_and_the_residual_k
         memory.update(compensated, "0", compressor.decompress(payload, ctx))
     assert float(memory.residuals["0"].abs().max()) < 1e-3
 
+
+
+def test_momentum_correction_reads_the_parameters_one_by_one_as_it_reads_them_flat():
+    """The engine hands the memory its bucket's parameters one by one (no flat copy per step); weight
+    decay must add them exactly as it adds the flat concatenation: the same velocity and residual bits."""
+    shapes = [(37, 3), (37,), (1001,), (16, 8, 3, 3)]
+    generator = torch.Generator().manual_seed(4)
+    params = [torch.randn(s, generator=generator) for s in shapes]
+    flat_params = torch.cat([p.reshape(-1) for p in params])
+    one_by_one, flat = (MomentumCorrection(0.9, 5.0, 2, weight_decay=5e-4, masking=False) for _ in range(2))
+    for _ in range(3):
+        grad = torch.randn(flat_params.numel(), generator=generator)
+        assert torch.equal(one_by_one.compensate(grad, "0", params), flat.compensate(grad, "0", flat_params))
+        one_by_one.update(grad, "0", grad / 3)
+        flat.update(grad, "0", grad / 3)
+    assert torch.equal(one_by_one.velocities["0"], flat.velocities["0"])
+    with pytest.raises(ValueError, match="parameters hold"):
+        one_by_one.compensate(torch.zeros(5), "1", params)

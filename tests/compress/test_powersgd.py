@@ -1,6 +1,7 @@
 """PowerSGD inside convoy's engine: exactness, error feedback, two-round exchange, resume, bad flags."""
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from convoy.compress import LayerInfo, MomentumCorrection, PowerSGDCompressor, ResidualMemory
-from convoy.compress.powersgd import orthonormalise
+from convoy.compress.powersgd import _column_scale, orthonormalise
 from convoy.engine import Engine
 from convoy.sync import AllReduce
 from tests.compress.helpers import one_layer_bucket, small_mlp, train_steps
@@ -61,6 +62,44 @@ def test_factors_are_a_fraction_of_the_matrix_and_a_rank_too_large_sends_it_dens
     assert PowerSGDCompressor(12).payload_values(SHAPES) == (0, 24 * 12 + 24)
     gradient = torch.randn(24 * 12 + 24)
     assert torch.equal(_exchange_locally(PowerSGDCompressor(12), gradient), gradient)
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4])
+@pytest.mark.parametrize("shapes", [SHAPES, (torch.Size([1024, 2048]), torch.Size([1024])),
+                                    (torch.Size([64, 32, 3, 3]), torch.Size([64]), torch.Size([10, 64]))])
+def test_the_fused_residual_is_the_gradient_minus_the_decompressed_payload_bit_for_bit(shapes, rank):
+    """``unsent`` subtracts each P^ Q_i^T as addmm computes it; the error-feedback residual must be the
+    same bits as subtracting the decompressed payload (what convoy did before, and the invariant
+    sent + residual == compensated that error feedback rests on)."""
+    compressor = PowerSGDCompressor(rank)
+    gradient = torch.randn(sum(s.numel() for s in shapes), generator=torch.Generator().manual_seed(rank))
+    bias = shapes[0].numel()   # the bias is sent dense: what was sent is its own values, inf and nan too
+    gradient[bias:bias + 7] = torch.tensor([float("inf"), -0.0, 0.0, 1e-40, -1e38, 3.0, float("nan")])
+    for remote in (False, True):
+        payload, ctx = compressor.compress(gradient, "0", LayerInfo(shapes=shapes, remote=remote))
+        while compressor.more_rounds(ctx):
+            payload, ctx = compressor.next_round(payload, ctx)
+        expected = gradient - compressor.decompress(payload, ctx)
+        assert float(expected[:bias].abs().max()) > 0.1   # the matrix's residual is not trivially zero
+        assert torch.equal(compressor.unsent(gradient, payload, ctx).isnan(), expected.isnan())
+        assert torch.equal(compressor.unsent(gradient, payload, ctx).nan_to_num(), expected.nan_to_num())
+        placed = torch.empty_like(gradient)
+        assert compressor.unsent(gradient, payload, ctx, out=placed).data_ptr() == placed.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_each_columns_scale_computed_on_scalars_has_the_bits_of_the_tensor_formula(dtype):
+    """orthonormalise scales each column with numpy scalars of its type instead of 0-dim tensors; the
+    column must come out with the same bits as under the tensor formula, rounding error and edges alike."""
+    values = [0.0, 1e-45, 1e-9, 1e-8, 1.00000001e-8, 1e-7, 0.3, 1.0, 3e5, 1e30, 3e38, float("inf"), float("nan")]
+    values += torch.rand(30, generator=torch.Generator().manual_seed(0)).pow(20).tolist()
+    column = torch.randn(37, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    for left, length in itertools.product(values, values):
+        left_t, length_t = torch.tensor(left, dtype=dtype), torch.tensor(length, dtype=dtype)
+        expected = torch.where(left_t > length_t * 1e-5 + 1e-8, 1 / left_t.clamp_min(1e-8), 0.0)
+        got = column.clone().mul_(_column_scale(left_t, length_t, 1e-8, 1e-5))
+        torch.testing.assert_close(got, column.clone().mul_(expected), rtol=0, atol=0, equal_nan=True,
+                                   msg=f"left {left}, length {length}")
 
 
 def test_orthonormalisation_of_a_rank_deficient_p_gives_no_nan():
@@ -140,6 +179,41 @@ def test_the_average_of_rank_r_gradients_sharing_a_column_space_is_exact():
     expected = sum(_low_rank_gradient(2, seed=10 + r, left=left) for r in range(2)) / 2
     assert torch.equal(results[0], results[1])
     torch.testing.assert_close(results[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def _deferred_rounds_worker(rank: int, world: int, defer: bool) -> dict:
+    """Five engine steps of a three-layer model, one layer per bucket, with P all-reduced blocking in
+    start or left in flight until the engine advances the exchange."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 48), torch.nn.ReLU(), torch.nn.Linear(48, 32),
+                                torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    strategy = AllReduce(dist.new_group(), PowerSGDCompressor(2), MomentumCorrection(0.9, masking=False))
+    strategy.defers_rounds = defer
+    engine = Engine(model, torch.optim.SGD, strategy, lr=0.1, bucket_bytes=0)
+    train_steps(model, engine, 5, seed=rank)
+    engine.close()
+    # Left in flight: the exchange is not done, however long it waits, until advanced.
+    probe = AllReduce(dist.new_group(), PowerSGDCompressor(2), ResidualMemory())
+    probe.defers_rounds = defer
+    bucket = one_layer_bucket((24, 3, 2, 2), (24,))
+    bucket.flat_grad().copy_(_low_rank_gradient(2, seed=rank))
+    pending = probe.start(bucket, bucket.flat_grad())
+    dist.barrier()
+    in_flight = not pending.is_done()
+    pending.advance()
+    return {"params": [p.detach().clone() for p in model.parameters()], "in_flight": in_flight,
+            "average": pending.wait(), "sent": strategy.traffic()[0]}
+
+
+@pytest.mark.timeout(120)
+def test_deferring_the_p_round_to_the_next_bucket_changes_no_bit():
+    """The engine starts the next bucket before taking the previous one's P sum (order P0 P1 Q0 P2 Q1 ...
+    on every rank); the parameters, the average and the bytes are those of the blocking rounds."""
+    deferred, blocking = run_workers(_deferred_rounds_worker, 2, True), run_workers(_deferred_rounds_worker, 2, False)
+    for a, b in zip(deferred + [deferred[0]], blocking + [deferred[1]]):   # each rank alike, and the ranks alike
+        assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
+        assert torch.equal(a["average"], b["average"]) and a["sent"] == b["sent"]
+    assert all(r["in_flight"] for r in deferred)
 
 
 JOB = ("--nproc", "2", "--batch-size", "32", "--lr-schedule", "constant", "--compress", "powersgd",
