@@ -101,9 +101,11 @@ def _adapt(config: TrainConfig, model: nn.Module, world: int, writers: list[int]
     accum = config.optim.grad_accum
     global_batch = job.global_batch or config.data.batch_size * accum * job.world
     keep = f"run on {job.world} workers, or pass --no-resume to start over"
+    elastic = config.sync.strategy == "allreduce" and config.parallel.layout == "data"
     if job.world == world:
-        return _same_world(directory, config, global_batch, world, keep)
-    if config.sync.strategy != "allreduce" or config.parallel.layout != "data":
+        # Only a data-parallel job can have been re-dealt (other layouts' data world is not the world).
+        return _same_world(directory, config, global_batch, world, keep) if elastic else None
+    if not elastic:
         raise UsageError(f"--checkpoint-dir {directory} holds a checkpoint of {job.world} workers; only "
                          f"--sync allreduce with --parallel data resumes on another number ({world}): {keep}")
     if global_batch % (world * accum):
