@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -46,6 +46,19 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(columns), sep, *(line(r) for r in cells)])
+
+
+def timed_round(step: Callable[[], Any], finish: Callable[[], Any], steps: int) -> tuple[float, float]:
+    """Wall and process CPU seconds (every thread) per step of ``steps`` calls of ``step`` and the
+    drain (``finish``), all ranks of the default group started together by a barrier."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        step()
+    finish()
+    return (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps
 
 
 def save(name: str, settings: dict[str, Any], rows: list[dict[str, Any]], columns: Sequence[str]) -> Path:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import save, spawn  # noqa: E402
+from bench.common import save, spawn, timed_round  # noqa: E402
 from convoy.engine import Engine  # noqa: E402
 from convoy.engine.engine import DEFAULT_BUCKET_BYTES  # noqa: E402
 from convoy.models import build_model  # noqa: E402
@@ -53,17 +53,6 @@ def _timed(step, finish, steps: int) -> list[float]:
     return times
 
 
-def _round(step, finish, steps: int) -> tuple[float, float]:
-    """Wall and CPU seconds (every thread of the process) per step of ``steps`` steps, the drain
-    (``finish``) included, all ranks started together."""
-    dist.barrier()
-    start, cpu = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        step()
-    finish()
-    return (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps
-
-
 def worker(rank: int, world: int, name: str, batch: int, steps: int, rounds: int, channels: int,
            bucket_kb: int) -> dict:
     """Engine and DDP rounds interleaved (the order alternates), so a burst of load from
@@ -85,13 +74,13 @@ def worker(rank: int, world: int, name: str, batch: int, steps: int, rounds: int
 
     methods = {"engine": (engine_step, engine.synchronize), "ddp": (ddp_step, lambda: None)}
     for step, finish in methods.values():   # warm-up: allocations, first-step set-up
-        _round(step, finish, WARMUP)
+        timed_round(step, finish, WARMUP)
     first_timed = engine.step
     out: dict = {"engine": [], "ddp": [], "engine_cpu": [], "ddp_cpu": []}
     for r in range(rounds):
         order = ("engine", "ddp") if r % 2 == 0 else ("ddp", "engine")
         for method in order:
-            wall, cpu = _round(*methods[method], steps)
+            wall, cpu = timed_round(*methods[method], steps)
             out[method].append(wall)
             out[f"{method}_cpu"].append(cpu)
     out["wait"] = [engine.stats(s).wait_s for s in range(first_timed, engine.step)]

@@ -49,7 +49,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import save, spawn  # noqa: E402
+from bench.common import save, spawn, timed_round  # noqa: E402
 from convoy import runtime  # noqa: E402
 from convoy.models import build_model  # noqa: E402
 from convoy.train.config import TrainConfig  # noqa: E402
@@ -109,16 +109,6 @@ def _convoy(name: str, channels: int, rank: int, world: int, x: torch.Tensor, y:
     return (lambda: layout.train_step(x, y)), layout.engine.synchronize, layout.engine
 
 
-def _round(step: Step, finish: Step, steps: int) -> tuple[float, float]:
-    """Wall and process CPU seconds per step over ``steps`` steps and the drain, all ranks started together."""
-    dist.barrier()
-    start, cpu = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        step()
-    finish()
-    return (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps
-
-
 def _kinds(blocking: bool) -> tuple[str, ...]:
     return ("hook", "convoy", "convoy_blocking") if blocking else ("hook", "convoy")
 
@@ -140,12 +130,12 @@ def worker(rank: int, world: int, name: str, ranks: list[int], batch: int, steps
     names = list(variants)
     for _ in range(WARMUP_ROUNDS):
         for v in names:
-            _round(*variants[v], steps)
+            timed_round(*variants[v], steps)
     out: dict[str, list] = {v: [] for v in names} | {f"{v}_cpu": [] for v in names}
     for i in range(rounds):
         shift = i % len(names)   # rotate the order so no variant always follows the same one
         for v in names[shift:] + names[:shift]:
-            wall, cpu = _round(*variants[v], steps)
+            wall, cpu = timed_round(*variants[v], steps)
             out[v].append(wall)
             out[f"{v}_cpu"].append(cpu)
     out["bytes_per_step"] = {v: e.sync.bytes_sent / e.step for v, e in engines.items()}
