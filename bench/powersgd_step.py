@@ -199,7 +199,7 @@ def _stage_times(stats: pstats.Stats, steps: int) -> dict[str, float]:
     def ms(where: str, caller: str | None = None) -> float:
         return 1000 * _cumulative(stats, where, caller) / steps
 
-    average = ms("sync/allreduce.py:wait")
+    average = ms("sync/allreduce.py:wait", "engine/engine.py:_finish_exchange")
     return {
         "flat parameters (for weight decay)": ms("sync/allreduce.py:start") - ms("sync/allreduce.py:start_flat"),
         "momentum correction (clip, weight decay, velocity)": ms("compress/momentum.py:compensate"),
