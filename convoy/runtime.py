@@ -106,7 +106,7 @@ class _Joining:
         try:
             store = self._store()
             self.stage = "peers"
-            dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world,
+            dist.init_process_group(_device_backends(self.backend), store=store, rank=self.rank, world_size=self.world,
                                     timeout=datetime.timedelta(seconds=self.timeout_s))
             self.stage = "done"
         except BaseException as exc:   # handed to the main thread, which raises it
@@ -151,6 +151,12 @@ class _Joining:
                      f"{host}{_resolves(host)}, which they may not reach: set GLOO_SOCKET_IFNAME to the interface "
                      "of an address they reach (and torchrun --local-addr to that address)")
         return StartupFailed(f"rank {self.rank} could not connect to every other rank {within}; {cause}")
+
+
+def _device_backends(backend: str) -> str:
+    """NCCL for CUDA tensors and gloo beside it for CPU ones: the bookkeeping collectives (scores,
+    flags, sparse rows coded on the host) stay on the CPU while gradients cross over NCCL."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
 def _join(backend: str, timeout_s: float) -> None:

@@ -57,9 +57,10 @@ class RankArena:
 
     def place(self, key: str, like: torch.Tensor, step: int) -> torch.Tensor | None:
         """Where ``key``'s new tensor of ``step`` goes: a view of the step's image shaped like
-        ``like``; None when the slot has no such tensor or no image is free for the step."""
+        ``like``; None when the slot has no such tensor or no image is free for the step, or
+        ``like`` lives on a GPU (its residuals stay there; the snapshot copies them over)."""
         spec = self._specs.get(key)
-        if spec is None or list(like.shape) != spec.shape or dtype_of(spec.dtype) != like.dtype:
+        if spec is None or like.device.type != "cpu" or list(like.shape) != spec.shape or dtype_of(spec.dtype) != like.dtype:
             return None
         with self._lock:
             if step not in self._of_step:

@@ -193,7 +193,7 @@ def chunks_of(grad: torch.Tensor, support: Support | None = None) -> Chunks:
     full = flat.numel() // CHUNK
     head = flat[:full * CHUNK]
     if support is not None:
-        index = _runs_touched(support, full)
+        index = _runs_touched(support, full).to(flat.device)
     else:
         index = _non_zero_runs(head, full)
         if len(index) * 8 > full and flat.numel() < 2 ** 31:
@@ -210,7 +210,7 @@ def chunks_of(grad: torch.Tensor, support: Support | None = None) -> Chunks:
 def _non_zero_runs(head: torch.Tensor, full: int) -> torch.Tensor:
     """The indices of the ``full`` runs of ``head`` that hold a non-zero bit: one min/max pass."""
     if not full:
-        return torch.zeros(0, dtype=torch.long)
+        return torch.zeros(0, dtype=torch.long, device=head.device)
     bits = head.view(_BITS[head.element_size()])
     if head.element_size() == 4 and bits.storage_offset() % 2 == 0:
         bits = bits.view(torch.int64)   # two elements a word: half the reduction's work

@@ -137,6 +137,8 @@ def rank_layout(state: dict[str, torch.Tensor], info: dict[str, Any]) -> Layout:
 def restore_rank_state(model: nn.Module, sync: Any, tensors: dict[str, torch.Tensor], scaler: Any = None) -> None:
     """Put buffers, the sync strategy's state, the RNG state and the loss scale back from a rank slot's tensors."""
     buffers = dict(model.named_buffers())
+    # The sync's state (residuals, warm starts) goes back where the model trains: a GPU's is read to the CPU.
+    device = next(model.parameters(), torch.empty(0)).device
     sync_state, scaler_state = {}, {}
     with torch.no_grad():
         for key, tensor in tensors.items():
@@ -144,7 +146,7 @@ def restore_rank_state(model: nn.Module, sync: Any, tensors: dict[str, torch.Ten
             if kind == "buffer" and name in buffers:
                 buffers[name].copy_(tensor)
             elif kind == "sync":
-                sync_state[name] = tensor
+                sync_state[name] = tensor.to(device)
             elif key == "rng.torch":
                 torch.set_rng_state(tensor.clone())
             elif kind == "scaler":

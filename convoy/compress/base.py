@@ -133,7 +133,8 @@ class Compressor(ABC):
         The default decompresses the payload and subtracts; a compressor may compute the
         same difference without the decompressed tensor (PowerSGD).
         """
-        sent = self.decompress(payload, ctx)
+        # A host-coded payload (run lengths, rows) decodes on the CPU; the residual stays where the gradient is.
+        sent = self.decompress(payload, ctx).to(compensated.device)
         return compensated - sent if out is None else torch.sub(compensated, sent, out=out)
 
     def more_rounds(self, ctx: Any) -> bool:

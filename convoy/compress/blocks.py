@@ -192,7 +192,7 @@ class BlockLayout:
             mine = scores[start:start + s.blocks]
             start += s.blocks
             if k >= s.blocks:
-                kept.append(torch.arange(s.blocks))
+                kept.append(torch.arange(s.blocks, device=scores.device))
             else:
                 kept.append(torch.topk(mine, k, sorted=False).indices.sort().values)
         return kept
@@ -264,7 +264,7 @@ class KeptBlocks(Support):
         starts, lengths = [], []
         for kept in self.kept:
             counts = [idx.numel() for idx in kept]
-            blocks = torch.cat(list(kept)).numpy().astype(np.int64) if sum(counts) else np.zeros(0, np.int64)
+            blocks = torch.cat(list(kept)).cpu().numpy().astype(np.int64) if sum(counts) else np.zeros(0, np.int64)
             block_sizes = np.repeat(sizes, counts)
             starts.append(np.repeat(offsets, counts) + blocks * block_sizes)
             lengths.append(block_sizes)

@@ -248,7 +248,7 @@ class PowerSGDCompressor(Compressor):
         # Every value of ``out`` is written; nothing here reads ctx.flat, which ``out`` may be.
         wire = payload[0]
         if out is None:
-            out = torch.empty(ctx.flat.numel(), dtype=ctx.flat.dtype)
+            out = torch.empty(ctx.flat.numel(), dtype=ctx.flat.dtype, device=ctx.flat.device)
         elif out.shape != (ctx.flat.numel(),) or out.dtype != ctx.flat.dtype:
             raise ValueError(f"out must be a flat {ctx.flat.dtype} tensor of {ctx.flat.numel()} values, "
                              f"got {out.dtype} {tuple(out.shape)}")
@@ -315,7 +315,7 @@ class PowerSGDCompressor(Compressor):
         if q is None or q.shape != (matrix.shape[1], self.rank):
             # The same seed on every rank gives every rank the same first Q.
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(key.encode()))
-            q = torch.randn(matrix.shape[1], self.rank, generator=generator, dtype=matrix.dtype)
+            q = torch.randn(matrix.shape[1], self.rank, generator=generator, dtype=matrix.dtype).to(matrix.device)
         return q
 
     # ----------------------------------------------------------- checkpoints

@@ -45,7 +45,8 @@ class RandomKCompressor(Compressor):
         self._calls[name] = call + 1
         # crc32, not hash(): Python salts str hashes per process.
         generator = torch.Generator().manual_seed((zlib.crc32(name.encode()) << 20) ^ (self.seed << 40) ^ call)
-        indices = torch.randperm(flat.numel(), generator=generator)[:kept_count(flat.numel(), ramped(self.fraction, info))]
+        count = kept_count(flat.numel(), ramped(self.fraction, info))
+        indices = torch.randperm(flat.numel(), generator=generator)[:count].to(flat.device)
         return [flat[indices]], (indices, flat.numel())
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:

@@ -53,7 +53,7 @@ def runs(kept: torch.Tensor) -> np.ndarray:
         >>> runs(torch.tensor([2, 3, 7])).tolist()
         [[2, 2], [3, 1]]
     """
-    idx = kept.numpy().astype(np.int64)
+    idx = kept.cpu().numpy().astype(np.int64)
     if idx.size == 0:
         return np.zeros((0, 2), dtype="<u4")
     breaks = np.flatnonzero(np.diff(idx) != 1) + 1
@@ -82,7 +82,8 @@ def encode(flat: torch.Tensor, layout: BlockLayout, kept: Sequence[torch.Tensor]
         pairs = runs(idx)
         head += [_U8.pack(len(segment.shape)), np.asarray(segment.shape, dtype="<u4").tobytes(),
                  _U32.pack(len(pairs)), pairs.tobytes()]
-    values = layout.gather(flat, kept).contiguous().view(torch.uint8)
+    # The encoding is host bytes (its runs are coded on the CPU): a GPU gradient's kept values come over.
+    values = layout.gather(flat, kept).cpu().contiguous().view(torch.uint8)
     body = torch.cat([torch.frombuffer(bytearray(b"".join(head)), dtype=torch.uint8), values])
     crc = zlib.crc32(body.numpy())
     return torch.cat([body, torch.frombuffer(bytearray(_U32.pack(crc)), dtype=torch.uint8)])

@@ -57,7 +57,7 @@ class TopKCompressor(Compressor):
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         values, indices = payload
         numel, dtype, _ = ctx
-        return torch.zeros(numel, dtype=dtype).index_put_((indices.long(),), values)
+        return torch.zeros(numel, dtype=dtype, device=values.device).index_put_((indices.long(),), values)
 
     def decompress_add(self, payload: Payload, ctx: Any, out: torch.Tensor) -> torch.Tensor:
         values, indices = payload

@@ -171,7 +171,8 @@ class GradientGate:
         """The step's global norm from this rank's; update the scale; False: skip the step."""
         norm = local_norm
         if self.group is not None:
-            squared = (local_norm.square() * self.share).reshape(1)
+            # On the CPU on every rank: a rank that only follows has no gradient, hence no device.
+            squared = (local_norm.square() * self.share).reshape(1).cpu()
             dist.all_reduce(squared, group=self.group)   # a non-finite share makes every rank's sum non-finite
             norm = squared[0].sqrt()
         self.last_norm = float(norm)

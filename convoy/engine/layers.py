@@ -82,7 +82,7 @@ class Bucket:
             # Someone (a user's zero_grad(set_to_none=True)) replaced the view.
             if p.grad is None or p.grad.data_ptr() != address:
                 self._buffer[offset:offset + numel].copy_(
-                    p.grad.reshape(-1) if p.grad is not None else torch.zeros(numel))
+                    p.grad.reshape(-1) if p.grad is not None else self._buffer.new_zeros(numel))
                 p.grad = self._buffer[offset:offset + numel].view_as(p)
         return self._buffer
 

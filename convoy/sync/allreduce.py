@@ -195,7 +195,7 @@ class AllReduce(SyncStrategy):
         if logged is not None:
             # A resume replaying a logged step: the memory moved on as in training; the
             # average the ranks computed then is in the log, so nothing crosses the network.
-            return Done(logged)
+            return Done(logged.to(grad.device))   # the log is read on the CPU
         return self._exchange(compressor, payload, ctx, grad)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -214,10 +214,12 @@ class AllReduce(SyncStrategy):
                   out: torch.Tensor | None = None) -> PendingSync:
         """Exchange the final payload; ``out`` (the exchanged gradient, or None) may receive the average."""
         if self.world_size == 1:
-            return Done(*compressor.decompress_sum([payload], ctx))
+            total, support = compressor.decompress_sum([payload], ctx)
+            # A host-coded payload (run lengths) decodes on the CPU; the average goes where the gradient is.
+            return Done(total if out is None else total.to(out.device), support)
         if compressor.summable:
             return self._all_reduce(compressor, payload, ctx, out)
-        return self._all_gather(compressor, payload, ctx)
+        return self._all_gather(compressor, payload, ctx, None if out is None else out.device)
 
     def _all_reduce(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any,
                     out: torch.Tensor | None = None) -> PendingSync:
@@ -233,7 +235,8 @@ class AllReduce(SyncStrategy):
 
         return _PendingAllReduce(sent, finish)
 
-    def _all_gather(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any) -> PendingSync:
+    def _all_gather(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any,
+                    device: torch.device | None = None) -> PendingSync:
         # Each rank's row (convoy.sync.rows), padded to a width every rank agrees on.
         dtypes = [t.dtype for t in payload]
         head, used = row_extent(payload)
@@ -245,7 +248,7 @@ class AllReduce(SyncStrategy):
         self._count(moved, moved)
 
         def finish() -> tuple[torch.Tensor, Support | None]:
-            total, support = sum_rows(compressor, rows, dtypes, ctx)
+            total, support = sum_rows(compressor, rows, dtypes, ctx, device)
             return total.div_(self.world_size), support
 
         return _PendingAllReduce(sent, finish)

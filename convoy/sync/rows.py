@@ -22,7 +22,8 @@ def row_extent(payload: list[torch.Tensor]) -> tuple[int, int]:
 
 def pack_row(payload: list[torch.Tensor], width: int) -> torch.Tensor:
     """``payload`` as a uint8 row of ``width`` bytes (at least its ``row_extent``)."""
-    parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in payload]
+    # Rows are host memory whatever the payload's device: gloo carries them beside NCCL's gradients.
+    parts = [t.contiguous().reshape(-1).cpu().view(torch.uint8) for t in payload]
     sizes = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
     used = row_extent(payload)[1]
     if used > width:
@@ -44,12 +45,14 @@ def unpack_row(row: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Tenso
 
 
 def sum_rows(compressor: Compressor, rows: Sequence[torch.Tensor], dtypes: list[torch.dtype],
-             ctx: Any) -> tuple[torch.Tensor, Support | None]:
+             ctx: Any, device: torch.device | None = None) -> tuple[torch.Tensor, Support | None]:
     """The sum of the dense tensors the ``rows`` carry, added in the order given, and where it
-    may be non-zero (:meth:`Compressor.decompress_sum`).
+    may be non-zero (:meth:`Compressor.decompress_sum`); on ``device`` when given (the rows,
+    and the sum of their host-coded payloads, are on the CPU).
 
     Every rank adds the same rows in the same order, so every rank gets the
     identical sum. One dense tensor is built; the other rows are added into it,
     which for sparse payloads touches only what they carry.
     """
-    return compressor.decompress_sum([unpack_row(row, dtypes) for row in rows], ctx)
+    total, support = compressor.decompress_sum([unpack_row(row, dtypes) for row in rows], ctx)
+    return (total if device is None else total.to(device)), support
