@@ -26,6 +26,7 @@ from convoy.checkpoint.difflog import Entry, dense, log_path, read_chain, read_p
 from convoy.checkpoint.format import CommitRecord, FormatError
 from convoy.checkpoint.snapshot import model_layers, optimizer_state, restore_parameters, restore_rank_state
 from convoy.checkpoint.store import AREAS, Store, area_name
+from convoy.core import SyncStrategy
 from convoy.engine.optim import LayerOptimizer, bucket_optimizer
 
 
@@ -202,7 +203,7 @@ def restore_model(store: Store, area: int, model: nn.Module) -> dict[str, dict]:
     return states
 
 
-def restore_rank(store: Store, area: int, model: nn.Module, sync: object, scaler: object = None) -> None:
+def restore_rank(store: Store, area: int, model: nn.Module, sync: SyncStrategy, scaler: object = None) -> None:
     """Put this rank's buffers, residuals, RNG state and fp16 loss scale back from ``area``."""
     tensors = store.tensors(area, 0)
     restore_rank_state(model, sync, tensors, scaler)

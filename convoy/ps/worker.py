@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from convoy.compress import Compressor, Memory
-from convoy.core import PendingSync
+from convoy.core import PendingSync, SyncStrategy
 from convoy.ps.job import PSJob
 from convoy.ps.progress import ps_waiter
 from convoy.ps.push import _no_agreement, pieces_within, wire_width
@@ -142,6 +142,9 @@ class PushPull(AllReduce):
             self._handles += self._compute_hooks(model)
 
     # ---------------------------------------------------- the exchange stage
+    # A push to a server cannot be replayed from a checkpoint's log.
+    start_replay = SyncStrategy.start_replay
+
     def set_step(self, step: int) -> None:
         super().set_step(step)
         self._announced = self._last_step = step - 1

@@ -29,7 +29,7 @@ from convoy.cluster.plan import ClusterPlan
 from convoy.compress import Compressor, Memory
 from convoy.errors import UsageError
 from convoy.sync.allreduce import AllReduce
-from convoy.sync.base import Done, PendingSync
+from convoy.sync.base import Done, PendingSync, SyncStrategy
 from convoy.sync.cycle import CycleExchange
 from convoy.sync.rows import pack_row, row_extent, sum_rows
 
@@ -221,6 +221,8 @@ class Hierarchical(AllReduce):
     # ------------------------------------------------------- gradient exchange
     # The final exchange reads the step's server that start sets: the rounds block in start.
     defers_rounds = False
+    # A replayed step would still run the cycle's exchange of parameters: no replay.
+    start_replay = SyncStrategy.start_replay
 
     def start(self, bucket: Any, grad: torch.Tensor) -> PendingSync:
         self._step = self._exchanges.get(bucket.index, self._first_step)
