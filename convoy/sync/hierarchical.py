@@ -181,10 +181,10 @@ class Hierarchical(AllReduce):
             raise UsageError("the checkpoint was written with other clusters than this job's "
                              f"({self.plan.clusters}); resume with the job's original settings, or --no-resume")
         if "contribution.cycles" in tensors:
-            self.contributions.agreement_sum = tensors["contribution.agreement_sum"].tolist()
-            self.contributions.cycles = int(tensors["contribution.cycles"])
-        self.exchange.anchors = {int(key[len("anchor."):]): value.clone() for key, value in tensors.items()
-                                 if key.startswith("anchor.")}
+            self.contributions.restore(tensors["contribution.agreement_sum"].tolist(),
+                                       int(tensors["contribution.cycles"]))
+        self.exchange.restore_anchors({int(key[len("anchor."):]): value.clone() for key, value in tensors.items()
+                                       if key.startswith("anchor.")})
 
     def state_bytes_bound(self, params_bytes: int) -> int:
         """What :class:`AllReduce` keeps, one anchor per parameter, the plan and the history."""
