@@ -31,7 +31,7 @@ from torch import nn
 
 from convoy.checkpoint import difflog
 from convoy.checkpoint.persister import CheckpointFiles, LayerWrite, Persister, RankImage, StepEnd
-from convoy.checkpoint.schedule import DEFAULT_BUDGET, Schedule
+from convoy.checkpoint.schedule import DEFAULT_BUDGET, Agree, Schedule
 from convoy.checkpoint.snapshot import layer_sources, module_buffers, rank_state
 from convoy.core import Listener, SyncStrategy
 
@@ -100,8 +100,15 @@ class CheckpointListener(Listener):
                  copy_on_write: bool = True, replay: bool = False, quiet_until: int = 0,
                  job: dict[str, int] | None = None):
         writer = files.model_store is not None
+        agree: dict[str, Agree] = {}   # how the ranks agree on an "auto" interval (default: alone)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Every rank builds a listener: collective calls, in the same order on every rank.
+            if every == "auto":
+                agree["agree_every"] = _largest_over(dist.new_group())
+            if full_every == "auto":
+                agree["agree_full"] = _largest_over(dist.new_group())
         self.schedule = Schedule(every=every, last_step=last_step, full_every=full_every, writer=writer,
-                                 budget=budget, replay=replay, start=max(engine.step, quiet_until))
+                                 budget=budget, replay=replay, start=max(engine.step, quiet_until), **agree)
         self.model, self.engine, self.rank = model, engine, files.rank
         self.copy_on_write = copy_on_write
         self._full_names = full_names
@@ -129,12 +136,6 @@ class CheckpointListener(Listener):
                                    job=self._job, stats=self.stats,
                                    place_state=engine.sync.place_state_in if copy_on_write else None,
                                    current_step=lambda: self._step)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            # Every rank builds a listener: collective calls, in the same order on every rank.
-            if self.schedule.auto is not None:
-                self.schedule.auto.agree = _largest_over(dist.new_group())
-            if self.schedule.auto_full is not None:
-                self.schedule.auto_full.agree = _largest_over(dist.new_group())
 
     @property
     def every(self) -> int:
@@ -306,7 +307,7 @@ class CheckpointListener(Listener):
         """
         if self.schedule.due(step):
             return   # already staged by the engine's callbacks
-        self.schedule.last_step = step
+        self.schedule.end_at(step)
         for layer in self.engine.layers:
             self.on_layer_updated(layer, step)
         self.on_step_end(step, None)

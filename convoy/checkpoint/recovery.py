@@ -43,6 +43,12 @@ class AreaReport:
     def valid(self) -> bool:
         return self.record is not None
 
+    def ensure_verified(self, store: Store) -> None:
+        """Check the layers of this area of ``store`` if ``scan`` left them unchecked; FormatError when damaged."""
+        if not self.verified:
+            store.verify(self.area)
+            self.verified = True
+
     @property
     def empty(self) -> bool:
         """Never committed, or erased to be rewritten: no trace of a checkpoint, not damage."""
@@ -78,13 +84,6 @@ def scan(store: Store, signature: str | None = None, verify_all: bool = True) ->
         except FormatError as exc:
             reports.append(AreaReport(area, None, _problem(exc)))
     return sorted(reports, key=lambda r: r.area)
-
-
-def ensure_verified(store: Store, report: AreaReport) -> None:
-    """Check the layers of an area that ``scan`` left unchecked; FormatError when damaged."""
-    if not report.verified:
-        store.verify(report.area)
-        report.verified = True
 
 
 def _generation(store: Store, area: int) -> int:

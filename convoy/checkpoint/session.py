@@ -28,9 +28,8 @@ from convoy.checkpoint.format import FormatError, Layout
 from convoy.checkpoint.files import model_file, rank_file
 from convoy.checkpoint.listener import CheckpointedEngine, CheckpointListener
 from convoy.checkpoint.persister import CheckpointFiles
-from convoy.checkpoint.recovery import (AreaReport, RestorePoint, ensure_verified, fallback_notes, read_updates,
-                                       replay_updates, restore_model, restore_points, restore_rank, scan,
-                                       valid_steps)
+from convoy.checkpoint.recovery import (AreaReport, RestorePoint, fallback_notes, read_updates, replay_updates,
+                                       restore_model, restore_points, restore_rank, scan, valid_steps)
 from convoy.checkpoint.replay import ReplayFeed
 from convoy.checkpoint.schedule import DEFAULT_BUDGET, DEFAULT_FULL_EVERY
 from convoy.checkpoint.snapshot import model_layout, rank_layout, rank_state
@@ -351,7 +350,7 @@ def _restore_rank_file(rpath: Path, report: AreaReport, model: nn.Module, engine
 
 def _verified(store: Store, report: AreaReport) -> None:
     try:
-        ensure_verified(store, report)
+        report.ensure_verified(store)
     except FormatError as exc:
         raise UsageError(f"{store.path}: step {report.record.step}, the newest step every rank committed, "
                          f"is damaged ({exc}); nothing was overwritten") from None
