@@ -147,7 +147,7 @@ class SyncStrategy(ABC):
     def replaced_each_step(self) -> tuple[str, ...]:
         """The kinds (``kind`` of a ``kind.name`` key) of :meth:`state_tensors` whose tensors the
         strategy replaces by new ones every step, never writing into them: a reference to one is a
-        snapshot, which a checkpoint need not copy. None by default (a checkpoint copies them all)."""
+        snapshot, which a checkpoint need not copy. Empty by default (a checkpoint copies them all)."""
         return ()
 
     def place_state_in(self, place: Place | None) -> None:
