@@ -2,11 +2,11 @@
 
 A rank's residuals are rewritten whole every step and checkpointed every
 step. Without an arena the persister copies them into a page-aligned staging
-buffer (``O_DIRECT`` needs one) and sums the copy; with one, the memory's
-``place`` hook puts each new residual straight at its offset in an image of
-the slot, so the persister copies only the small tensors (buffers, RNG) into
-the image, sums it and writes it as it is: one pass over the residuals
-instead of two.
+buffer (``O_DIRECT`` needs one) and sums the copy; with one, the memory puts
+each new residual straight at its offset in an image of the slot (it was told
+where with ``Memory.place_in``), so the persister copies only the small
+tensors (buffers, RNG) into the image, sums it and writes it as it is: one
+pass over the residuals instead of two.
 
 An image holds the residuals of one step. It is reused only when they are no
 longer live (the next step has ended, so its memory has read them) and no
@@ -18,7 +18,7 @@ checkpoint is staged as before.
 Example::
 
     >>> arena = RankArena(store.layout.slots[0])
-    >>> memory.place = lambda key, like: arena.place("sync." + key, like, step)
+    >>> memory.place_in(lambda key, like: arena.place("sync." + key, like, step))
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ import hashlib
 import json
 import struct
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -46,7 +46,7 @@ def align(n: int, to: int = PAGE) -> int:
 
 @dataclass
 class TensorSpec:
-    """One tensor inside a slot: its key, dtype name and shape; ``offset`` is set by the layout."""
+    """One tensor inside a slot: its key, dtype name and shape; ``offset``: where the layout placed it."""
 
     key: str
     dtype: str
@@ -87,14 +87,16 @@ class Layout:
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        offset = RECORD_BYTES
+        # The slots given, each placed at its offset (copies: the layout owns its slots).
+        offset, placed = RECORD_BYTES, []
         for slot in self.slots:
-            inner = 0
+            inner, tensors = 0, []
             for t in slot.tensors:
-                t.offset = inner
+                tensors.append(replace(t, offset=inner))
                 inner += align(t.nbytes, 64)   # aligned so every tensor view is aligned
-            slot.offset, slot.nbytes = offset, inner
+            placed.append(replace(slot, tensors=tensors, offset=offset, nbytes=inner))
             offset = align(offset + max(inner, 1))
+        self.slots = placed
         self._area = offset
         if 4 * len(self.slots) + _RECORD_HEAD.size + 4096 > RECORD_BYTES:
             raise ValueError(f"{len(self.slots)} slots do not fit in a commit record")

@@ -31,9 +31,9 @@ from torch import nn
 
 from convoy.checkpoint import difflog
 from convoy.checkpoint.persister import CheckpointFiles, LayerWrite, Persister, RankImage, StepEnd
-from convoy.checkpoint.schedule import DEFAULT_BUDGET, Schedule
+from convoy.checkpoint.schedule import DEFAULT_BUDGET, Agree, Schedule
 from convoy.checkpoint.snapshot import layer_sources, module_buffers, rank_state
-from convoy.core.listeners import Listener
+from convoy.core import Listener, SyncStrategy
 
 
 class EngineLayer(Protocol):
@@ -46,14 +46,19 @@ class EngineLayer(Protocol):
 
 
 class CheckpointedEngine(Protocol):
-    """What the listener reads of the engine it checkpoints (:class:`convoy.engine.Engine` is one)."""
+    """What checkpointing reads of the engine it checkpoints and resumes (:class:`convoy.engine.Engine` is one)."""
 
     step: int                      # the step the next backward belongs to
     layers: Sequence[EngineLayer]  # in forward order
     optimizers: Sequence[Any]      # per layer: ``.optimizer`` (its bucket's), ``.param_groups``
     buckets: Sequence[Any]         # ``.layers``, ``.flat_grad()``, ``.support``
-    sync: Any                      # its state goes into the rank file; ``.memory``, ``.replay``
+    sync: SyncStrategy             # its state goes into the rank file; a resume may replay through it
     loss_scaler: Any
+    gate: Any                      # a whole-step gradient gate (clipping, fp16 loss scaling), or None
+    listeners: list[Listener]
+
+    def load_optimizer_state(self, states: dict[str, Any]) -> None: ...
+    def set_step(self, step: int) -> None: ...
 
 
 class CheckpointListener(Listener):
@@ -95,8 +100,15 @@ class CheckpointListener(Listener):
                  copy_on_write: bool = True, replay: bool = False, quiet_until: int = 0,
                  job: dict[str, int] | None = None):
         writer = files.model_store is not None
+        agree: dict[str, Agree] = {}   # how the ranks agree on an "auto" interval (default: alone)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Every rank builds a listener: collective calls, in the same order on every rank.
+            if every == "auto":
+                agree["agree_every"] = _largest_over(dist.new_group())
+            if full_every == "auto":
+                agree["agree_full"] = _largest_over(dist.new_group())
         self.schedule = Schedule(every=every, last_step=last_step, full_every=full_every, writer=writer,
-                                 budget=budget, replay=replay, start=max(engine.step, quiet_until))
+                                 budget=budget, replay=replay, start=max(engine.step, quiet_until), **agree)
         self.model, self.engine, self.rank = model, engine, files.rank
         self.copy_on_write = copy_on_write
         self._full_names = full_names
@@ -120,16 +132,10 @@ class CheckpointListener(Listener):
                       "logged_steps": 0}
         # Residuals placed straight into images of the rank file's slot (the persister's thread
         # builds it once the layout is known): only where the checkpoint keeps references to them.
-        memory = getattr(engine.sync, "memory", None) if copy_on_write else None
         self.persister = Persister(files, steps_per_epoch=steps_per_epoch, differential=self.full_every > 0,
-                                   job=self._job, stats=self.stats, memory=memory,
+                                   job=self._job, stats=self.stats,
+                                   place_state=engine.sync.place_state_in if copy_on_write else None,
                                    current_step=lambda: self._step)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            # Every rank builds a listener: collective calls, in the same order on every rank.
-            if self.schedule.auto is not None:
-                self.schedule.auto.agree = _largest_over(dist.new_group())
-            if self.schedule.auto_full is not None:
-                self.schedule.auto_full.agree = _largest_over(dist.new_group())
 
     @property
     def every(self) -> int:
@@ -279,7 +285,7 @@ class CheckpointListener(Listener):
 
     def _replay_ended(self) -> None:
         """The resume's replay is over: the exchanges go over the network again."""
-        self.engine.sync.replay = None
+        self.engine.sync.stop_replay()
         self._announce(f"resumed from the full snapshot at step {self._replay_from}, replayed "
                        f"{self._quiet_until - self._replay_from} steps to step {self._quiet_until}")
 
@@ -301,7 +307,7 @@ class CheckpointListener(Listener):
         """
         if self.schedule.due(step):
             return   # already staged by the engine's callbacks
-        self.schedule.last_step = step
+        self.schedule.end_at(step)
         for layer in self.engine.layers:
             self.on_layer_updated(layer, step)
         self.on_step_end(step, None)

@@ -43,6 +43,7 @@ from convoy.checkpoint.files import PeerFile, RemoteWriter, committed_step, mode
 from convoy.checkpoint.format import CommitRecord
 from convoy.checkpoint.snapshot import rank_layout
 from convoy.checkpoint.store import AREAS, Store
+from convoy.compress import Place
 from convoy.utils.threads import PERSISTER_THREAD_NICE, lower_priority
 
 # First and longest sleep while waiting for a peer's file: a peer's commit is on the path of
@@ -136,13 +137,15 @@ class Persister:
         stats: the listener's counters, which this thread adds to: ``persist_s``, ``persist_cpu_s``,
             ``state_cpu_s``, ``log_cpu_s``, ``full_cpu_s``, ``update_cpu_s``, ``bytes_written``,
             ``commits``, ``full``, ``differential``.
-        memory: the error-feedback memory whose residuals may go straight into the rank
-            file's images (``None``: always staged).
+        place_state: has the sync strategy build its residuals where a given function places
+            them, straight into the rank file's images (``SyncStrategy.place_state_in``; ``None``:
+            always staged).
         current_step: the step the engine's auxiliary thread is in (where a residual belongs).
     """
 
     def __init__(self, files: CheckpointFiles, *, steps_per_epoch: int, differential: bool,
-                 stats: dict[str, float], job: dict[str, int] | None = None, memory: Any = None,
+                 stats: dict[str, float], job: dict[str, int] | None = None,
+                 place_state: Callable[[Place | None], None] | None = None,
                  current_step: Callable[[], int] = lambda: 0):
         if (files.rank == files.writer_rank) != (files.model_store is not None):
             raise ValueError("exactly the writer rank needs a model store")
@@ -165,7 +168,7 @@ class Persister:
         # waiting for the others' model files at its first checkpoint, until --timeout.
         self._publish(committed_step(self.model_store.path) if self.model_store is not None else -1)
         self._log: DiffLog | None = None                    # the differential log being appended to
-        self._memory, self._current_step = memory, current_step
+        self._place_state, self._current_step = place_state, current_step
         self._arena: RankArena | None = None
         self._arena_store: Store | None = None   # the rank store the arena mirrors
         self._peers: dict[Path, PeerFile] = {}
@@ -222,8 +225,8 @@ class Persister:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
-        if self._memory is not None:
-            self._memory.place = None
+        if self._place_state is not None:
+            self._place_state(None)
         for store in (self.model_store, self.rank_store):
             if store is not None:
                 store.close()
@@ -396,16 +399,16 @@ class Persister:
         self._rank_gen, self._last_rank_step = generation, done
 
     def _build_arena(self) -> None:
-        """Have the memory put its residuals into images of the rank file's slot, where the
+        """Have the sync strategy put its residuals into images of the rank file's slot, where the
         file takes them as they are (page sums, O_DIRECT); else keep staging them."""
         self._arena, self._arena_store = None, self.rank_store
-        if self._memory is not None and self.rank_store.can_write_images() and any(
+        if self._place_state is not None and self.rank_store.can_write_images() and any(
                 spec.key.startswith("sync.residual.") for spec in self.rank_store.layout.slots[0].tensors):
             arena = RankArena(self.rank_store.layout.slots[0])
-            self._memory.place = lambda key, like: arena.place("sync." + key, like, self._current_step())
+            self._place_state(lambda key, like: arena.place("sync." + key, like, self._current_step()))
             self._arena = arena
-        elif self._memory is not None:
-            self._memory.place = None
+        elif self._place_state is not None:
+            self._place_state(None)
 
     def _other_model_files(self) -> list[Path | RemoteWriter]:
         """The other writers' model files: paths on this machine, store keys for other machines'."""

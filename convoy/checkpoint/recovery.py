@@ -26,6 +26,7 @@ from convoy.checkpoint.difflog import Entry, dense, log_path, read_chain, read_p
 from convoy.checkpoint.format import CommitRecord, FormatError
 from convoy.checkpoint.snapshot import model_layers, optimizer_state, restore_parameters, restore_rank_state
 from convoy.checkpoint.store import AREAS, Store, area_name
+from convoy.core import SyncStrategy
 from convoy.engine.optim import LayerOptimizer, bucket_optimizer
 
 
@@ -41,6 +42,12 @@ class AreaReport:
     @property
     def valid(self) -> bool:
         return self.record is not None
+
+    def ensure_verified(self, store: Store) -> None:
+        """Check the layers of this area of ``store`` if ``scan`` left them unchecked; FormatError when damaged."""
+        if not self.verified:
+            store.verify(self.area)
+            self.verified = True
 
     @property
     def empty(self) -> bool:
@@ -77,13 +84,6 @@ def scan(store: Store, signature: str | None = None, verify_all: bool = True) ->
         except FormatError as exc:
             reports.append(AreaReport(area, None, _problem(exc)))
     return sorted(reports, key=lambda r: r.area)
-
-
-def ensure_verified(store: Store, report: AreaReport) -> None:
-    """Check the layers of an area that ``scan`` left unchecked; FormatError when damaged."""
-    if not report.verified:
-        store.verify(report.area)
-        report.verified = True
 
 
 def _generation(store: Store, area: int) -> int:
@@ -202,7 +202,7 @@ def restore_model(store: Store, area: int, model: nn.Module) -> dict[str, dict]:
     return states
 
 
-def restore_rank(store: Store, area: int, model: nn.Module, sync: object, scaler: object = None) -> None:
+def restore_rank(store: Store, area: int, model: nn.Module, sync: SyncStrategy, scaler: object = None) -> None:
     """Put this rank's buffers, residuals, RNG state and fp16 loss scale back from ``area``."""
     tensors = store.tensors(area, 0)
     restore_rank_state(model, sync, tensors, scaler)

@@ -13,8 +13,9 @@ bit-identical too.
 
 Example::
 
-    >>> sync.replay = ReplayFeed(read_updates(model_path, point))
-    >>> # training steps k..t-1 now take their averages from the log
+    >>> sync.start_replay(ReplayFeed(read_updates(model_path, point)))
+    >>> # training steps k..t-1 now take their averages from the log; then
+    >>> sync.stop_replay()
 """
 from __future__ import annotations
 

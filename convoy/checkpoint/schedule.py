@@ -80,6 +80,10 @@ class Schedule:
         self.fulls = 0                                      # full snapshots taken in this run
         self.based = False                                  # a full snapshot was taken in this run
 
+    def end_at(self, step: int) -> None:
+        """Make ``step`` the last step: it is checkpointed (the job stops after it)."""
+        self.last_step = step
+
     def due(self, step: int) -> bool:
         """Whether ``step`` is checkpointed."""
         if step == self.last_step:

@@ -26,16 +26,16 @@ from torch import nn
 from convoy.checkpoint.difflog import DiffLog, log_path
 from convoy.checkpoint.format import FormatError, Layout
 from convoy.checkpoint.files import model_file, rank_file
-from convoy.checkpoint.listener import CheckpointListener
+from convoy.checkpoint.listener import CheckpointedEngine, CheckpointListener
 from convoy.checkpoint.persister import CheckpointFiles
-from convoy.checkpoint.recovery import (AreaReport, RestorePoint, ensure_verified, fallback_notes, read_updates,
-                                       replay_updates, restore_model, restore_points, restore_rank, scan,
-                                       valid_steps)
+from convoy.checkpoint.recovery import (AreaReport, RestorePoint, fallback_notes, read_updates, replay_updates,
+                                       restore_model, restore_points, restore_rank, scan, valid_steps)
 from convoy.checkpoint.replay import ReplayFeed
 from convoy.checkpoint.schedule import DEFAULT_BUDGET, DEFAULT_FULL_EVERY
 from convoy.checkpoint.snapshot import model_layout, rank_layout, rank_state
 from convoy.checkpoint.store import AREAS, Store
 from convoy.compress import FP16Compressor, IdentityCompressor
+from convoy.core import SyncStrategy
 from convoy.errors import UsageError
 from convoy.sync.allreduce import AllReduce
 
@@ -176,8 +176,8 @@ def _gather(value: Any, world: int) -> list[Any]:
     return out
 
 
-def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: Any, optimizer_class: type,
-                        optimizer_kwargs: dict[str, Any], total_steps: int, steps_per_epoch: int,
+def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: CheckpointedEngine,
+                        optimizer_class: type, optimizer_kwargs: dict[str, Any], total_steps: int, steps_per_epoch: int,
                         group_ranks: list[int] | None = None,
                         full_names: dict[str, str] | None = None) -> CheckpointSession:
     """Resume from ``settings.directory`` when it holds a checkpoint (or as ``resume`` says) and attach the listener.
@@ -259,14 +259,13 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
     return CheckpointSession(listener, start)
 
 
-def differential_ok(sync: Any) -> bool:
+def differential_ok(sync: SyncStrategy) -> bool:
     """Whether the update a step applies is the optimizer's step on an averaged gradient that
     a sparse compressor made small: then differential checkpoints pay and replay exactly."""
-    compressor = getattr(sync, "compressor", None)
-    return type(sync) is AllReduce and not isinstance(compressor, (IdentityCompressor, FP16Compressor))
+    return type(sync) is AllReduce and not isinstance(sync.compressor, (IdentityCompressor, FP16Compressor))
 
 
-def replay_ok(engine: Any, full_names: dict[str, str] | None = None) -> bool:
+def replay_ok(engine: CheckpointedEngine, full_names: dict[str, str] | None = None) -> bool:
     """Whether a resume can rebuild the rank files' state between full snapshots by replaying the
     logged steps, so that they need be written only with the full snapshots.
 
@@ -277,12 +276,12 @@ def replay_ok(engine: Any, full_names: dict[str, str] | None = None) -> bool:
     parallelism: a replayed forward needs no peer's activations).
     """
     sync = engine.sync
-    return (differential_ok(sync) and getattr(sync.compressor, "local", False)
-            and getattr(engine, "gate", None) is None and full_names is None)
+    return (differential_ok(sync) and isinstance(sync, AllReduce) and sync.compressor.local
+            and engine.gate is None and full_names is None)
 
 
 def _restore(point: RestorePoint, model_reports: list[AreaReport], rank_reports: list[AreaReport], mpath: Path,
-             rpath: Path, model: nn.Module, engine: Any, optimizer_class: type,
+             rpath: Path, model: nn.Module, engine: CheckpointedEngine, optimizer_class: type,
              optimizer_kwargs: dict[str, Any], steps_per_epoch: int) -> ResumePoint:
     step, chosen_model = point.step, point.report
     chosen_rank = valid_steps(rank_reports)[step]
@@ -312,7 +311,7 @@ def _restore(point: RestorePoint, model_reports: list[AreaReport], rank_reports:
 
 
 def _restore_for_replay(point: RestorePoint, model_reports: list[AreaReport], rank_reports: list[AreaReport],
-                        mpath: Path, rpath: Path, model: nn.Module, engine: Any) -> ResumePoint:
+                        mpath: Path, rpath: Path, model: nn.Module, engine: CheckpointedEngine) -> ResumePoint:
     """Restore the full snapshot ``point`` extends, model and rank files, and have the sync strategy
     replay the log's steps after it: the training loop then runs them again from the snapshot."""
     snapshot = point.report
@@ -331,7 +330,7 @@ def _restore_for_replay(point: RestorePoint, model_reports: list[AreaReport], ra
                          f"replayed ({exc}); nothing was overwritten") from None
     _restore_rank_file(rpath, chosen_rank, model, engine)
     engine.set_step(base)
-    engine.sync.replay = feed
+    engine.sync.start_replay(feed)
     record = snapshot.record
     notes = fallback_notes(str(mpath), model_reports, snapshot) + fallback_notes(str(rpath), rank_reports, chosen_rank)
     notes.append(f"resuming from {mpath.parent}: the full snapshot at step {base} (epoch {record.epoch}, batch "
@@ -339,7 +338,7 @@ def _restore_for_replay(point: RestorePoint, model_reports: list[AreaReport], ra
     return ResumePoint(base, record.epoch, record.position, notes, replay_to=point.step)
 
 
-def _restore_rank_file(rpath: Path, report: AreaReport, model: nn.Module, engine: Any) -> None:
+def _restore_rank_file(rpath: Path, report: AreaReport, model: nn.Module, engine: CheckpointedEngine) -> None:
     """Verify the rank file's area of ``report`` and load its buffers, RNG and sync state."""
     store = Store.open(rpath)
     try:
@@ -351,7 +350,7 @@ def _restore_rank_file(rpath: Path, report: AreaReport, model: nn.Module, engine
 
 def _verified(store: Store, report: AreaReport) -> None:
     try:
-        ensure_verified(store, report)
+        report.ensure_verified(store)
     except FormatError as exc:
         raise UsageError(f"{store.path}: step {report.record.step}, the newest step every rank committed, "
                          f"is damaged ({exc}); nothing was overwritten") from None
@@ -389,7 +388,7 @@ def _reopen(path: Path, reports: list[AreaReport], step: int) -> Store:
     return store
 
 
-def _rank_file_bytes(model: nn.Module, sync: Any) -> int:
+def _rank_file_bytes(model: nn.Module, sync: SyncStrategy) -> int:
     """One area of a rank's own file: buffers and RNG now, plus what the sync strategy may keep."""
     now = rank_layout(rank_state(model, sync), {}).area_size()
     return now + sync.state_bytes_bound(sum(p.numel() * p.element_size() for p in model.parameters()))

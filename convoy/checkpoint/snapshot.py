@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from convoy.checkpoint.format import Layout, Slot, TensorSpec
+from convoy.core import SyncStrategy
 from convoy.engine.layers import parameter_modules
 
 ROOT = "<root>"   # the name the engine gives a model that owns parameters itself
@@ -101,7 +102,7 @@ def restore_parameters(module: nn.Module, slot_tensors: dict[str, torch.Tensor])
                 param.copy_(slot_tensors[f"param.{name}"])
 
 
-def rank_state(model: nn.Module, sync: Any, buffers: dict[str, torch.Tensor] | None = None,
+def rank_state(model: nn.Module, sync: SyncStrategy, buffers: dict[str, torch.Tensor] | None = None,
                scaler: Any = None) -> dict[str, torch.Tensor]:
     """Copies of this rank's own state: buffers, the sync strategy's state, the torch RNG,
     and the fp16 loss scale.
@@ -114,7 +115,7 @@ def rank_state(model: nn.Module, sync: Any, buffers: dict[str, torch.Tensor] | N
     out = {f"buffer.{k}": v for k, v in (buffers or {}).items()}
     for name, buf in model.named_buffers():
         out.setdefault(f"buffer.{name}", buf.detach().clone())
-    replaced = getattr(getattr(sync, "memory", None), "replaced_each_step", ())
+    replaced = sync.replaced_each_step()
     for key, value in sync.state_tensors().items():
         # A tensor the memory replaces every step is a snapshot as it is: no copy on the training path.
         out[f"sync.{key}"] = value.detach() if key.split(".", 1)[0] in replaced else value.detach().clone()
@@ -134,7 +135,8 @@ def rank_layout(state: dict[str, torch.Tensor], info: dict[str, Any]) -> Layout:
     return Layout("rank", [Slot("state", [TensorSpec.of(k, v) for k, v in state.items()])], info)
 
 
-def restore_rank_state(model: nn.Module, sync: Any, tensors: dict[str, torch.Tensor], scaler: Any = None) -> None:
+def restore_rank_state(model: nn.Module, sync: SyncStrategy, tensors: dict[str, torch.Tensor],
+                       scaler: Any = None) -> None:
     """Put buffers, the sync strategy's state, the RNG state and the loss scale back from a rank slot's tensors."""
     buffers = dict(model.named_buffers())
     # The sync's state (residuals, warm starts) goes back where the model trains: a GPU's is read to the CPU.

@@ -59,6 +59,12 @@ class ContributionHistory:
             return self.size_shares()
         return [s / total for s in scores]
 
+    def restore(self, agreement_sum: list[float], cycles: int) -> None:
+        """Go on from a saved history: ``agreement_sum`` and ``cycles`` as it had them (a resume)."""
+        if len(agreement_sum) != len(self.sizes):
+            raise ValueError(f"need {len(self.sizes)} agreement sums, got {len(agreement_sum)}")
+        self.agreement_sum, self.cycles = list(agreement_sum), cycles
+
     def record(self, agreements: list[float]) -> None:
         """Add one cycle's cosines ``a_j``, one per cluster."""
         if len(agreements) != len(self.sizes):

@@ -20,7 +20,7 @@ import os
 import socket
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -177,27 +177,28 @@ def profile_job(overrides: ProfileOverrides | None = None, local_rank: int = 0,
     hosts = _all_gather([socket.gethostname()], world)
     machines = _all_gather([machine_id()], world)
     given = [overrides.for_rank(r, hosts[r]) if overrides else {} for r in range(world)]
-    mine = NodeProfile(rank, hosts[rank], from_file=tuple(name for name in INDICATORS if name in given[rank]))
     measure = {
         "cpu_mhz": cpu_mhz,
         "memory_gb": memory_gb,
         "gpu_mhz": lambda: gpu_mhz_and_memory_gb(local_rank)[0],
         "gpu_memory_gb": lambda: gpu_mhz_and_memory_gb(local_rank)[1],
     }
-    for name, how in measure.items():
-        setattr(mine, name, given[rank][name] if name in given[rank] else how())
+    values = {name: given[rank][name] if name in given[rank] else how() for name, how in measure.items()}
+    noise: dict[str, float] = {}
     if "disk_mbps" in given[rank]:
-        mine.disk_mbps = given[rank]["disk_mbps"]
+        values["disk_mbps"] = given[rank]["disk_mbps"]
     else:
         disk = [disk_mbps(disk_dir) for _ in range(DISK_TRIES)]
-        mine.disk_mbps, mine.noise["disk_mbps"] = max(disk), spread(disk)
+        values["disk_mbps"], noise["disk_mbps"] = max(disk), spread(disk)
     # The timed transfer is a collective: run it unless the file gives every rank's uplink.
     if any("uplink_mbps" not in g for g in given) and world > 1:
         uplink = uplink_tries()[rank]
-        mine.uplink_mbps, mine.noise["uplink_mbps"] = max(uplink), spread(uplink)
+        values["uplink_mbps"], noise["uplink_mbps"] = max(uplink), spread(uplink)
     if "uplink_mbps" in given[rank]:
-        mine.uplink_mbps = given[rank]["uplink_mbps"]
-        mine.noise.pop("uplink_mbps", None)   # a given value is exact
+        values["uplink_mbps"] = given[rank]["uplink_mbps"]
+        noise.pop("uplink_mbps", None)   # a given value is exact
+    mine = NodeProfile(rank, hosts[rank], **values, noise=noise,
+                       from_file=tuple(name for name in INDICATORS if name in given[rank]))
     return one_profile_per_machine(_all_gather([mine], world), machines)
 
 
@@ -211,7 +212,7 @@ def machine_id() -> str:
 
 
 def one_profile_per_machine(profiles: list[NodeProfile], machines: list[str]) -> list[NodeProfile]:
-    """``profiles`` with each machine's measured indicators those of its lowest rank measuring them.
+    """New ``profiles`` with each machine's measured indicators those of its lowest rank measuring them.
 
     Values a profile file gave stay each rank's own (a file may set ranks of one host apart).
 
@@ -221,16 +222,19 @@ def one_profile_per_machine(profiles: list[NodeProfile], machines: list[str]) ->
         >>> one_profile_per_machine([a, b], ["h/1", "h/1"])[1].cpu_mhz
         2000.0
     """
-    for name in MACHINE_INDICATORS:
-        first: dict[str, NodeProfile] = {}
-        for profile, machine in zip(profiles, machines):
+    leads: dict[tuple[str, str], NodeProfile] = {}   # (indicator, machine) -> the rank measuring it first
+    out = []
+    for profile, machine in zip(profiles, machines):
+        values, noise = {}, dict(profile.noise)
+        for name in MACHINE_INDICATORS:
             if name in profile.from_file:
                 continue
-            lead = first.setdefault(machine, profile)
-            setattr(profile, name, getattr(lead, name))
+            lead = leads.setdefault((name, machine), profile)
+            values[name] = getattr(lead, name)
             if name in lead.noise:
-                profile.noise[name] = lead.noise[name]
-    return profiles
+                noise[name] = lead.noise[name]
+        out.append(replace(profile, **values, noise=noise))
+    return out
 
 
 def _all_gather(item: list, world: int) -> list:

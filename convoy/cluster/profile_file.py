@@ -72,25 +72,27 @@ class ProfileOverrides:
 def load_profile_file(path: str) -> ProfileOverrides:
     """Parse and check ``path``; UsageError names the first problem."""
     raw = read_toml(path, "--node-profile")
-    overrides = ProfileOverrides(path)
+    every: dict[str, float | str] = {}
+    hosts: dict[str, dict[str, float | str]] = {}
+    ranks: dict[int, dict[str, float | str]] = {}
     for key, value in raw.items():
         if key == "all":
-            overrides.all = _table(path, "[all]", value)
+            every = _table(path, "[all]", value)
         elif key in ("hosts", "ranks") and isinstance(value, dict):
             for name, table in value.items():
                 checked = _table(path, f"[{key}.{name}]", table)
                 if key == "hosts":
-                    overrides.hosts[name] = checked
+                    hosts[name] = checked
                 elif name.isdigit():
-                    overrides.ranks[int(name)] = checked
+                    ranks[int(name)] = checked
                 else:
                     raise UsageError(f"--node-profile {path}: [ranks.{name}] is not a rank number")
         else:
             raise UsageError(f"--node-profile {path}: unknown table or key {key!r}; "
                              "use [all], [hosts.NAME] or [ranks.N]")
-    if not (overrides.all or overrides.hosts or overrides.ranks):
+    if not (every or hosts or ranks):
         raise UsageError(f"--node-profile {path} gives no node")
-    return overrides
+    return ProfileOverrides(path, every, hosts, ranks)
 
 
 def _table(path: str, where: str, table: object) -> dict[str, float | str]:

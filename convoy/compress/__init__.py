@@ -6,7 +6,7 @@ reads :func:`compressor_names` and :func:`build_compressor`.
 """
 from __future__ import annotations
 
-from convoy.compress.base import Compressor, LayerInfo, Memory, NoMemory, ResidualMemory, Support
+from convoy.compress.base import Compressor, LayerInfo, Memory, NoMemory, Place, ResidualMemory, Support
 from convoy.compress.registry import (CompressorSpec, build_compressor, compressor_names, compressor_spec,
                                       momentum_corrected_names, register, sparse_names, unregister)
 
@@ -28,6 +28,6 @@ from convoy.compress.rle import CodecError
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_DENSE_BELOW", "DEFAULT_ELEMENT_FRACTION", "DEFAULT_METRIC",
            "DEFAULT_POWERSGD_RANK", "METRICS", "SELECTIONS", "BlockLayout", "BlockTopKCompressor", "CodecError",
            "Compressor", "CompressorSpec", "FP16Compressor", "IdentityCompressor", "LayerInfo", "Memory",
-           "MomentumCorrection", "NoMemory", "PowerSGDCompressor", "RandomKCompressor", "ResidualMemory", "Support",
-           "TopKCompressor", "build_compressor", "compressor_names", "compressor_spec", "momentum_corrected_names",
-           "register", "sparse_names", "unregister"]
+           "MomentumCorrection", "NoMemory", "Place", "PowerSGDCompressor", "RandomKCompressor", "ResidualMemory",
+           "Support", "TopKCompressor", "build_compressor", "compressor_names", "compressor_spec",
+           "momentum_corrected_names", "register", "sparse_names", "unregister"]

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 
 Payload = list[torch.Tensor]
+# ``place(key, like)``: where an error-feedback memory's new tensor of ``key`` goes (:meth:`Memory.place_in`).
+Place = Callable[[str, torch.Tensor], "torch.Tensor | None"]
 
 
 def _no_peers(tensor: torch.Tensor) -> torch.Tensor:
@@ -184,10 +186,24 @@ class Memory(ABC):
     # The kinds of :meth:`kept` whose tensors are replaced by new ones every step, never
     # written into: a reference to one is a snapshot (a checkpoint need not copy it).
     replaced_each_step: tuple[str, ...] = ()
-    # Set by a checkpoint that writes the residuals from memory of its own: ``place(key, like)``
-    # returns where the new residual of ``key`` (a key of :meth:`state_tensors`) goes, a tensor
-    # shaped like ``like``, or None for a new tensor. The residual is the same either way.
-    place: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None
+    # Where new tensors go (:meth:`place_in`); None: new tensors.
+    _place: Place | None = None
+
+    def place_in(self, place: Place | None) -> None:
+        """Build the new tensors of :meth:`state_tensors` where ``place`` says from now on.
+
+        ``place(key, like)`` returns where the new tensor of ``key`` (a key of
+        :meth:`state_tensors`) goes, a tensor shaped like ``like``, or None for a
+        new tensor; the values are the same either way. A checkpoint that writes
+        the residuals from memory of its own passes one; ``None`` goes back to new
+        tensors.
+
+        Example::
+
+            >>> memory.place_in(lambda key, like: arena.place("sync." + key, like, step))
+            >>> memory.place_in(None)
+        """
+        self._place = place
 
     @abstractmethod
     def compensate(self, tensor: torch.Tensor, name: str,
@@ -212,15 +228,15 @@ class Memory(ABC):
 
     def unsent_residual(self, compensated: torch.Tensor, name: str, compressor: Compressor, payload: Payload,
                         ctx: Any) -> torch.Tensor:
-        """The new residual ``compensated - sent`` of ``payload``, where :attr:`place` puts it."""
+        """The new residual ``compensated - sent`` of ``payload``, where :meth:`place_in`'s function puts it."""
         return compressor.unsent(compensated, payload, ctx, self.placed(f"residual.{name}", compensated))
 
     def placed(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
-        """Where :attr:`place` puts the new tensor of ``key``; None: a new tensor."""
-        return None if self.place is None else self.place(key, like)
+        """Where :meth:`place_in`'s function puts the new tensor of ``key``; None: a new tensor."""
+        return None if self._place is None else self._place(key, like)
 
     def new_residual(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> torch.Tensor:
-        """``compensated - sent``, where :attr:`place` puts it."""
+        """``compensated - sent``, where :meth:`place_in`'s function puts it."""
         out = self.placed(f"residual.{name}", compensated)
         return compensated - sent if out is None else torch.sub(compensated, sent, out=out)
 

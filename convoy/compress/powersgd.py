@@ -72,6 +72,10 @@ class _Exchange:
     round: int = 1
     remote: bool = False   # the final payload carries the bases (a receiver without the rounds decodes it)
 
+    def final_round(self, bases: list[torch.Tensor]) -> None:
+        """Round 1 is over: ``bases`` are the orthonormal P of the matrices (none without matrices)."""
+        self.bases, self.round = bases, 2
+
 
 def times_thin(matrix: torch.Tensor, thin: torch.Tensor) -> torch.Tensor:
     """``matrix @ thin`` for a ``thin`` of few columns (the rank), computed as ``(thin^T matrix^T)^T``.
@@ -198,9 +202,10 @@ class PowerSGDCompressor(Compressor):
                  info: LayerInfo | None = None) -> tuple[Payload, Any]:
         segments = self.segments(tensor, info)
         flat = tensor.reshape(-1)
-        ctx = _Exchange(name, segments, flat, remote=bool(info and info.remote))
-        ctx.matrices = [flat[s.offset:s.offset + s.numel].view(s.rows, s.cols) for s in segments if s.low_rank]
+        matrices = [flat[s.offset:s.offset + s.numel].view(s.rows, s.cols) for s in segments if s.low_rank]
+        ctx = _Exchange(name, segments, flat, matrices, remote=bool(info and info.remote))
         if not ctx.matrices:
+            ctx.final_round([])
             return self._final_payload(ctx)
         # 1. P_i = M_i Q, with the Q every rank shares.
         products = [times_thin(m, self._shared_q(name, i, m)) for i, m in enumerate(ctx.matrices)]
@@ -212,14 +217,13 @@ class PowerSGDCompressor(Compressor):
     def next_round(self, summed: Payload, ctx: Any) -> tuple[Payload, Any]:
         # 2. ``summed`` holds sum_i P_i; 3. orthonormalise each P.
         sizes = [m.shape[0] * self.rank for m in ctx.matrices]
-        ctx.bases = [orthonormalise(p.reshape(m.shape[0], self.rank).clone())
-                     for p, m in zip(summed[0].split(sizes), ctx.matrices)]
+        ctx.final_round([orthonormalise(p.reshape(m.shape[0], self.rank).clone())
+                         for p, m in zip(summed[0].split(sizes), ctx.matrices)])
         return self._final_payload(ctx)
 
     @staticmethod
     def _final_payload(ctx: _Exchange) -> tuple[Payload, Any]:
         """4. ``Q_i = M_i^T P^`` for factored parameters, the values of the dense ones."""
-        ctx.round = 2
         parts, factored = [], iter(zip(ctx.matrices, ctx.bases))
         for segment in ctx.segments:
             if segment.low_rank:

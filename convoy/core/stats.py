@@ -20,6 +20,14 @@ class StepStats:
     bytes_sent: int = 0
     bytes_received: int = 0
 
+    def record_times(self, wall_s: float, wait_s: float) -> None:
+        """The step's backward ended ``wall_s`` after the previous one, ``wait_s`` of it blocked on communication."""
+        self.wall_s, self.wait_s = wall_s, wait_s
+
+    def record_bytes(self, sent: int, received: int) -> None:
+        """The step's exchanges sent and received these payload bytes."""
+        self.bytes_sent, self.bytes_received = sent, received
+
     @property
     def compute_s(self) -> float:
         return max(self.wall_s - self.wait_s, 0.0)

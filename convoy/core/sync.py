@@ -21,12 +21,24 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 
 if TYPE_CHECKING:
-    from convoy.compress import Support
+    from convoy.compress import Place, Support
+
+# ``replay(step, layer names)``: a bucket's averaged gradient of ``step`` as a checkpoint's log
+# recorded it, or None for a step it does not replay (:meth:`SyncStrategy.start_replay`).
+Replay = Callable[[int, "tuple[str, ...]"], "torch.Tensor | None"]
+
+
+class Trace(Protocol):
+    """Spans recorded for a Chrome trace (:class:`convoy.ps.timeline.Timeline` is one)."""
+
+    def save(self, run_dir: Path) -> Any:
+        """Write the trace into ``run_dir``."""
 
 
 class PendingSync(ABC):
@@ -80,6 +92,9 @@ class SyncStrategy(ABC):
     returns_parameters: bool = False
     # Exchanges may end in any order (point to point); collectives end in the order started.
     completes_in_order: bool = True
+    # The spans the strategy records for a Chrome trace (``--trace``), which the layout saves;
+    # None: it records none.
+    timeline: Trace | None = None
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -112,35 +127,51 @@ class SyncStrategy(ABC):
         """The next exchange belongs to ``step`` (resuming); strategies with step-dependent behaviour override."""
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """This rank's exchange state that a bit-identical resume needs, by stable name.
+        """This rank's exchange state that a bit-identical resume needs, by stable name (``kind.name``).
 
         Checkpoints keep it in the rank's own file and hand it back through
-        :meth:`load_state_tensors`. The default is the error-feedback residuals
-        of a ``memory`` attribute (``residual.<bucket>``); strategies with more
-        state (a compressor's warm-start factors, a cluster plan, exchange
-        counters as tensors) extend the dict.
+        :meth:`load_state_tensors`. Strategies with state (error-feedback
+        residuals, a compressor's warm-start factors, a cluster plan, exchange
+        counters as tensors) override it; the default is none.
         """
-        residuals = getattr(getattr(self, "memory", None), "residuals", None)
-        if not isinstance(residuals, dict):
-            return {}
-        return {f"residual.{key}": value for key, value in residuals.items() if isinstance(value, torch.Tensor)}
+        return {}
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Put back what :meth:`state_tensors` returned (copies owned by the strategy from now on)."""
-        residuals = getattr(getattr(self, "memory", None), "residuals", None)
-        for key, tensor in tensors.items():
-            kind, name = key.split(".", 1)
-            if kind == "residual" and isinstance(residuals, dict):
-                residuals[name] = tensor.clone()
 
     def state_bytes_bound(self, params_bytes: int) -> int:
-        """At most how many bytes :meth:`state_tensors` will hold (a checkpoint reserves disk for it).
+        """At most how many bytes :meth:`state_tensors` will hold (a checkpoint reserves disk for it),
+        for parameters of ``params_bytes``."""
+        return 0
 
-        The default allows residuals as large as the parameters whenever the
-        strategy keeps an error-feedback memory.
+    def replaced_each_step(self) -> tuple[str, ...]:
+        """The kinds (``kind`` of a ``kind.name`` key) of :meth:`state_tensors` whose tensors the
+        strategy replaces by new ones every step, never writing into them: a reference to one is a
+        snapshot, which a checkpoint need not copy. Empty by default (a checkpoint copies them all)."""
+        return ()
+
+    def place_state_in(self, place: Place | None) -> None:
+        """Build the new tensors of the kinds :meth:`replaced_each_step` names where ``place`` says
+        from now on (``None``: new tensors again); see :meth:`convoy.compress.Memory.place_in`.
+        Strategies without such state ignore it.
+
+        Example::
+
+            >>> sync.place_state_in(lambda key, like: arena.place("sync." + key, like, step))
         """
-        residuals = getattr(getattr(self, "memory", None), "residuals", None)
-        return params_bytes if isinstance(residuals, dict) else 0
+
+    def start_replay(self, replay: Replay) -> None:
+        """Take the averaged gradient of every exchange ``replay`` covers from it instead of the
+        network (a resume replaying a checkpoint's logged steps), until :meth:`stop_replay`.
+
+        Raises:
+            NotImplementedError: the strategy cannot replay (only all-reduce, whose exchange state
+                each rank rebuilds from its own gradients, can).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot replay logged steps")
+
+    def stop_replay(self) -> None:
+        """Exchange over the network again (a resume's replay is over)."""
 
     def replica_ranks(self) -> list[int] | None:
         """The ranks holding this rank's parameters and optimizer state after every step, which

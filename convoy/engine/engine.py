@@ -217,7 +217,7 @@ class Engine:
         with self._cond:
             self._backward_done = step
             stats = self._stats.setdefault(step, StepStats(step))
-            stats.wall_s, stats.wait_s = now - self._last_backward_end, self._wait_s
+            stats.record_times(now - self._last_backward_end, self._wait_s)
             self._cond.notify_all()
         self._last_backward_end = now
         self._wait_s = 0.0
@@ -349,7 +349,7 @@ class Engine:
         sent1, received1 = self.sync.traffic()
         with self._cond:
             stats = self._stats.setdefault(step, StepStats(step))
-            stats.bytes_sent, stats.bytes_received = sent1 - sent0, received1 - received0
+            stats.record_bytes(sent1 - sent0, received1 - received0)
         for listener in self.listeners:
             listener.on_step_end(step, stats)
         with self._cond:

@@ -50,7 +50,7 @@ class ParallelLayout(ABC):
 
     def save_trace(self, run_dir: Path) -> None:
         """Write this rank's timeline (``--trace``: the sync strategy's, if it keeps one) into ``run_dir``."""
-        timeline = getattr(self.engine.sync, "timeline", None)
+        timeline = self.engine.sync.timeline
         if timeline is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
             timeline.save(run_dir)

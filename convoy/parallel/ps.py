@@ -73,8 +73,10 @@ def worker_engine(job: PSJob, rank: int, part: nn.Module, optimizer_class: type[
 def _join(worker: Engine, server: Engine) -> None:
     """Colocated: this rank's worker pushes its own units to its server in memory, the server marks
     them pulled when it has updated them in place, and the worker closes the server between its halves."""
-    worker.sync.local_server, worker.sync.local_server_engine = server.sync, server
-    server.sync.local_worker, server.sync.local_worker_engine = worker.sync, worker
+    worker_sync, server_sync = worker.sync, server.sync
+    assert isinstance(worker_sync, PushPull) and isinstance(server_sync, ServeShard), (worker_sync, server_sync)
+    worker_sync.attach_local_server(server_sync, server)
+    server_sync.attach_local_worker(worker_sync, worker)
 
 
 class ParameterServerLayout(ParallelLayout):

@@ -74,7 +74,7 @@ class RowCodec:
         with self._lock:
             if key not in self._rows:
                 compressor, density = self.compressor_at(step)
-                info = LayerInfo(shapes=shapes, agree=_no_agreement, step=step, density=density, remote=True)
+                info = LayerInfo(shapes=shapes, agree=no_agreement, step=step, density=density, remote=True)
                 payload, ctx = compressor.compress(torch.zeros(numel), str(layer), info)
                 while compressor.more_rounds(ctx):   # a remote payload's context holds no round's values
                     payload, ctx = compressor.next_round(payload, ctx)
@@ -93,6 +93,7 @@ class RowCodec:
         return max(dense, width)
 
 
-def _no_agreement(tensor: torch.Tensor) -> torch.Tensor:
+def no_agreement(tensor: torch.Tensor) -> torch.Tensor:
+    """A ``LayerInfo.agree`` for pushes without a group of workers to agree over: refuses."""
     raise ValueError("this compressor makes the ranks agree on a selection (a collective over the workers); "
                      "a parameter server cannot decode such payloads: choose one that needs no agreement")

@@ -91,11 +91,11 @@ class ServeShard(SyncStrategy):
         self.job, self.rank, self.shard, self.timeline = job, rank, shard, timeline
         self.layers = job.layers_of(rank)
         self.world_size = len(job.layer_workers[self.layers[0]]) if self.layers else 1
-        # Colocated, this rank's own worker pushes and pulls in memory (``deliver``, ``local_worker``).
+        # Colocated, this rank's own worker pushes and pulls in memory (``deliver``, attach_local_worker).
         workers = sorted({w for i in self.layers for w in job.layer_workers[i]} - {rank})
         self._workers = workers
-        self.local_worker: Any = None   # colocated: this rank's PushPull, told when its units are updated
-        self.local_worker_engine: Any = None   # and its engine
+        self._local_worker: Any = None   # colocated: this rank's PushPull, told when its units are updated
+        self._local_worker_engine: Any = None   # and its engine
         self._ended = -1                       # the last step whose updates all ran here
         self._waiter = ps_waiter()
         self._slots = job.settings.staleness + 1   # steps a unit may have outstanding
@@ -125,13 +125,23 @@ class ServeShard(SyncStrategy):
         for receiver in self._receivers:
             receiver.start()
 
+    def attach_local_worker(self, worker: Any, engine: Any) -> None:
+        """Colocated: ``worker`` (this rank's :class:`~convoy.ps.worker.PushPull`) pushes to this server in
+        memory and is told when its units are updated; its state and ``engine``'s step travel with this
+        server's checkpoint."""
+        self._local_worker, self._local_worker_engine = worker, engine
+
+    def step_ended(self, step: int) -> None:
+        """Every update of ``step`` ran here (the engine's step end)."""
+        self._ended = step
+
     # ---------------------------------------------------- the exchange stage
     def set_step(self, step: int) -> None:
         for layer in self.layers:
             self._next_step[layer] = step
         self._ended = step - 1
-        if self.local_worker_engine is not None:   # colocated, resuming: the worker goes on from there too
-            self.local_worker_engine.set_step(step)
+        if self._local_worker_engine is not None:   # colocated, resuming: the worker goes on from there too
+            self._local_worker_engine.set_step(step)
 
     def start(self, bucket: Any, grad: torch.Tensor) -> PendingSync:
         layer = self.shard.layer_of[id(bucket.layers[0].module)]
@@ -149,23 +159,23 @@ class ServeShard(SyncStrategy):
     # A colocated rank's checkpoint is its server engine's: the state of its worker
     # (error feedback, a compressor's warm start, the step count) travels with it.
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        if self.local_worker is None:
+        if self._local_worker is None:
             return {}
         # Read at this engine's step end: the worker's state must be that of the same step, all its
         # layers compressed (the worker starts the next step only after this step end).
-        self.local_worker_engine.wait_for_step(self._ended)
-        return self.local_worker.state_tensors()
+        self._local_worker_engine.wait_for_step(self._ended)
+        return self._local_worker.state_tensors()
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        if self.local_worker is not None:
-            self.local_worker.load_state_tensors(tensors)
+        if self._local_worker is not None:
+            self._local_worker.load_state_tensors(tensors)
 
     def state_bytes_bound(self, params_bytes: int) -> int:
         """The worker's bound, for the whole model it trains (``params_bytes`` counts this shard only)."""
-        if self.local_worker is None:
+        if self._local_worker is None:
             return 0
         model_bytes = sum(4 * self.job.numel(unit) for unit in range(len(self.job.layers)))
-        return self.local_worker.state_bytes_bound(max(params_bytes, model_bytes))
+        return self._local_worker.state_bytes_bound(max(params_bytes, model_bytes))
 
     def close(self) -> None:
         """Wait for every worker to end its streams, then end this server's streams."""
@@ -192,7 +202,7 @@ class ServeShard(SyncStrategy):
         if remote or stale:
             torch.cat([p.detach().reshape(-1) for p in self.shard.params_of[layer]], out=flat)
         if self.rank in self.job.layer_workers[layer]:   # colocated: in place, or (stale) a copy to stage
-            self.local_worker.pulled_locally(layer, step, flat if stale else None)
+            self._local_worker.pulled_locally(layer, step, flat if stale else None)
         if not remote:
             return
         channels, pull = self.job.channels, self.job.pull
@@ -290,4 +300,4 @@ class Reply(Listener):
         self.serve.reply(self.serve.shard.layer_of[id(layer.module)], step)
 
     def on_step_end(self, step: int, stats: Any) -> None:
-        self.serve._ended = step
+        self.serve.step_ended(step)

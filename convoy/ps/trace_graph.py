@@ -110,7 +110,8 @@ def _trace_fx(model: nn.Module, layers: list, example: torch.Tensor) -> list[Op]
             if isinstance(target, torch.Tensor) and id(target) in param_layer:
                 param_of[node] = param_layer[id(target)]
             continue
-        op = Op(name=str(node.target) if node.op == "call_module" else node.name)
+        op = Op(name=str(node.target) if node.op == "call_module" else node.name,
+                time_s=min(timer.times.get(node, [0.0])))
         if node.op == "call_module":
             owner = module_layer.get(id(gm.get_submodule(node.target)))
             if owner is not None:
@@ -120,7 +121,6 @@ def _trace_fx(model: nn.Module, layers: list, example: torch.Tensor) -> list[Op]
                 op.layers.append(param_of[arg])
             elif arg in index:
                 op.inputs.append(index[arg])
-        op.time_s = min(timer.times.get(node, [0.0]))
         index[node] = len(ops)
         ops.append(op)
     return ops

@@ -32,10 +32,10 @@ import torch.distributed as dist
 from torch import nn
 
 from convoy.compress import Compressor, Memory
-from convoy.core import PendingSync
+from convoy.core import PendingSync, SyncStrategy
 from convoy.ps.job import PSJob
 from convoy.ps.progress import ps_waiter
-from convoy.ps.push import _no_agreement, pieces_within, wire_width
+from convoy.ps.push import no_agreement, pieces_within, wire_width
 from convoy.ps.scheduler import SliceScheduler, Transfer, TransferError, stop_marks
 from convoy.ps.slicing import view
 from convoy.ps.timeline import Timeline
@@ -106,8 +106,8 @@ class PushPull(AllReduce):
         self.world_size = len(job.layer_workers[mine[0]]) if mine else 1   # workers averaged over
         # Colocated, this rank's own server takes its pushes in memory and updates its units in place.
         self._servers = sorted({job.server_of(i) for i in mine} - {rank})
-        self.local_server: Any = None          # colocated: this rank's ServeShard
-        self.local_server_engine: Any = None   # and its engine, closed between this worker's two halves
+        self._local_server: Any = None          # colocated: this rank's ServeShard (attach_local_server)
+        self._local_server_engine: Any = None   # and its engine, closed between this worker's two halves
         self._waiter = ps_waiter()
         self.staleness = job.settings.staleness
         # Versions of the parameters per unit (S + 1 of them); a rank's own units only when stale,
@@ -141,7 +141,15 @@ class PushPull(AllReduce):
         if timeline is not None:
             self._handles += self._compute_hooks(model)
 
+    def attach_local_server(self, server: Any, engine: Any) -> None:
+        """Colocated: push this rank's own units to ``server`` (its :class:`~convoy.ps.server.ServeShard`)
+        in memory; ``engine``, the server's, is closed between this worker's two halves."""
+        self._local_server, self._local_server_engine = server, engine
+
     # ---------------------------------------------------- the exchange stage
+    # A push to a server cannot be replayed from a checkpoint's log.
+    start_replay = SyncStrategy.start_replay
+
     def set_step(self, step: int) -> None:
         super().set_step(step)
         self._announced = self._last_step = step - 1
@@ -157,10 +165,10 @@ class PushPull(AllReduce):
         self._last_step = max(self._last_step, step)
         if self.timeline is not None:
             self.timeline.instant(f"grad {self.job.layers[units[0]][0]}", "grad", "backward", time.time(), step)
-        if self.local_server_engine is not None and step > self._first_step and not self.staleness:
+        if self._local_server_engine is not None and step > self._first_step and not self.staleness:
             # Colocated: this rank's checkpoint of step - 1 (its server's step end) reads this worker's
             # error-feedback state; the step's first compression must not change it before.
-            self.local_server_engine.wait_for_step(step - 1)
+            self._local_server_engine.wait_for_step(step - 1)
         self._announce(step)
         for unit in units:
             server = self.job.server_of(unit)
@@ -188,7 +196,7 @@ class PushPull(AllReduce):
                                f"{capacity} the servers expect")
         server = self.job.server_of(layer)
         if server == self.rank:   # colocated: this rank's own shard, in memory
-            self.local_server.deliver(layer, step, row)
+            self._local_server.deliver(layer, step, row)
         else:
             self._push(server, layer, step, row, width)
         if compressor.keeps_sum:   # while the push is on its way (the row is a copy)
@@ -252,7 +260,7 @@ class PushPull(AllReduce):
                 _copy_into(self.job.layers[unit][2], kept[unit])
 
     def _agree(self, tensor: torch.Tensor) -> torch.Tensor:
-        return _no_agreement(tensor) if self.group is None else super()._agree(tensor)
+        return no_agreement(tensor) if self.group is None else super()._agree(tensor)
 
     def next_done(self, pending: Sequence[PendingSync]) -> int:
         self._waiter.wait_for(lambda: any(p.is_done() for p in pending), self._check_scheduler)
@@ -285,8 +293,8 @@ class PushPull(AllReduce):
         except TransferError as exc:
             self._waiter.fail("pushing to a parameter server failed", exc)
         self._settle(self._reports + self._announcements)
-        if self.local_server_engine is not None:
-            self.local_server_engine.close()
+        if self._local_server_engine is not None:
+            self._local_server_engine.close()
         for receiver in self._receivers:   # each ends at its server's stop mark
             while receiver.is_alive():
                 receiver.join(0.5)

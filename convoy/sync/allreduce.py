@@ -6,7 +6,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from convoy.compress import Compressor, IdentityCompressor, LayerInfo, Memory, NoMemory, Support
+from convoy.compress import Compressor, IdentityCompressor, LayerInfo, Memory, NoMemory, Place, Support
+from convoy.core import Replay
 from convoy.sync.base import Done, PendingSync, SyncStrategy
 from convoy.sync.rows import pack_row, row_extent, sum_rows
 from convoy.utils.collective import AsyncCollective
@@ -118,15 +119,22 @@ class AllReduce(SyncStrategy):
         self._dense = IdentityCompressor()
         self._exchanges: dict[int, int] = {}  # bucket index -> steps exchanged
         self._first_step = 0
-        # Set by a resume that rebuilds error feedback by replaying logged steps:
-        # ``replay(step, layer names)`` is the bucket's averaged gradient of ``step`` as the
-        # checkpoint's log recorded it, or None for a step it does not replay (exchanged as usual).
-        self.replay: Callable[[int, tuple[str, ...]], torch.Tensor | None] | None = None
+        # A resume that rebuilds error feedback by replaying logged steps (start_replay): the
+        # averages of the steps it covers come from the checkpoint's log, the others are exchanged.
+        self._replay: Replay | None = None
 
     def set_step(self, step: int) -> None:
         """Count steps from ``step`` (resuming): warm-up covers steps ``< warmup_steps`` of the job."""
         self._first_step = step
         self._exchanges.clear()
+
+    def start_replay(self, replay: Replay) -> None:
+        """Take the averages of the steps ``replay`` covers from it: the memory moves on as in
+        training, nothing crosses the network (a resume's replay, :mod:`convoy.checkpoint.replay`)."""
+        self._replay = replay
+
+    def stop_replay(self) -> None:
+        self._replay = None
 
     def warmup_density(self, step: int) -> float | None:
         """The least share of each layer sent at ``step``: 25% decaying exponentially to the
@@ -145,7 +153,7 @@ class AllReduce(SyncStrategy):
     def start(self, bucket: Any, grad: torch.Tensor) -> PendingSync:
         # The parameters one by one: the memory reads them in place, no flat copy per step.
         params = [p.detach() for p in bucket.params] if self.memory.needs_params else None
-        layers = tuple(layer.name for layer in bucket.layers) if self.replay is not None else None
+        layers = tuple(layer.name for layer in bucket.layers) if self._replay is not None else None
         return self.start_flat(bucket.index, tuple(p.shape for p in bucket.params), grad, params, layers,
                                defer_rounds=self.defers_rounds)
 
@@ -161,7 +169,7 @@ class AllReduce(SyncStrategy):
         in place, PowerSGD decompresses into it). ``params`` are the bucket's
         parameters (flat, or each tensor in order), needed only when the error
         memory asks for them (momentum correction adds weight decay). ``layers`` names the bucket's
-        layers for :attr:`replay`. ``defer_rounds``: a compressor's intermediate round
+        layers for a replay (:meth:`start_replay`). ``defer_rounds``: a compressor's intermediate round
         (PowerSGD's ``P``) is all-reduced asynchronously and the rest of the exchange waits
         for :meth:`PendingSync.advance` (its sum is taken there); otherwise the rounds block here.
         """
@@ -191,7 +199,7 @@ class AllReduce(SyncStrategy):
         while compressor.more_rounds(ctx):   # PowerSGD's P: summed now, the last round below
             payload, ctx = compressor.next_round([self._agree(t) for t in payload], ctx)
         self.memory.keep_unsent(compensated, name, compressor, payload, ctx)
-        logged = self.replay(step, layers) if self.replay is not None and layers is not None else None
+        logged = self._replay(step, layers) if self._replay is not None and layers is not None else None
         if logged is not None:
             # A resume replaying a logged step: the memory moved on as in training; the
             # average the ranks computed then is in the log, so nothing crosses the network.
@@ -209,6 +217,14 @@ class AllReduce(SyncStrategy):
     def state_bytes_bound(self, params_bytes: int) -> int:
         """A parameter-sized tensor per kind the memory keeps, and the compressor's own."""
         return params_bytes * len(self.memory.kept()) + self.compressor.state_bytes_bound(params_bytes)
+
+    def replaced_each_step(self) -> tuple[str, ...]:
+        """The memory's (:attr:`convoy.compress.Memory.replaced_each_step`)."""
+        return self.memory.replaced_each_step
+
+    def place_state_in(self, place: Place | None) -> None:
+        """The memory builds its new tensors there (:meth:`convoy.compress.Memory.place_in`)."""
+        self.memory.place_in(place)
 
     def _exchange(self, compressor: Compressor, payload: Any, ctx: Any,
                   out: torch.Tensor | None = None) -> PendingSync:

@@ -95,6 +95,10 @@ class CycleExchange(Listener):
     def _active(self) -> bool:
         return len(self.sync.plan.clusters) > 1
 
+    def restore_anchors(self, anchors: dict[int, torch.Tensor]) -> None:
+        """Take the cycle's anchors (by layer index) from a checkpoint, in place of those kept so far."""
+        self.anchors = dict(anchors)
+
     def remember_start(self, bucket: Any) -> None:
         """Keep the first parameters of ``bucket``'s layers (before their first update)."""
         if not self._active:

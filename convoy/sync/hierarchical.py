@@ -29,7 +29,7 @@ from convoy.cluster.plan import ClusterPlan
 from convoy.compress import Compressor, Memory
 from convoy.errors import UsageError
 from convoy.sync.allreduce import AllReduce
-from convoy.sync.base import Done, PendingSync
+from convoy.sync.base import Done, PendingSync, SyncStrategy
 from convoy.sync.cycle import CycleExchange
 from convoy.sync.rows import pack_row, row_extent, sum_rows
 
@@ -181,10 +181,10 @@ class Hierarchical(AllReduce):
             raise UsageError("the checkpoint was written with other clusters than this job's "
                              f"({self.plan.clusters}); resume with the job's original settings, or --no-resume")
         if "contribution.cycles" in tensors:
-            self.contributions.agreement_sum = tensors["contribution.agreement_sum"].tolist()
-            self.contributions.cycles = int(tensors["contribution.cycles"])
-        self.exchange.anchors = {int(key[len("anchor."):]): value.clone() for key, value in tensors.items()
-                                 if key.startswith("anchor.")}
+            self.contributions.restore(tensors["contribution.agreement_sum"].tolist(),
+                                       int(tensors["contribution.cycles"]))
+        self.exchange.restore_anchors({int(key[len("anchor."):]): value.clone() for key, value in tensors.items()
+                                       if key.startswith("anchor.")})
 
     def state_bytes_bound(self, params_bytes: int) -> int:
         """What :class:`AllReduce` keeps, one anchor per parameter, the plan and the history."""
@@ -221,6 +221,8 @@ class Hierarchical(AllReduce):
     # ------------------------------------------------------- gradient exchange
     # The final exchange reads the step's server that start sets: the rounds block in start.
     defers_rounds = False
+    # A replayed step would still run the cycle's exchange of parameters: no replay.
+    start_replay = SyncStrategy.start_replay
 
     def start(self, bucket: Any, grad: torch.Tensor) -> PendingSync:
         self._step = self._exchanges.get(bucket.index, self._first_step)

@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -131,14 +132,15 @@ class StopRequest:
             self.signum = signum
             if self.bound_s is not None:
                 # A thread, not an alarm: the main thread may be blocked in C++ where no handler runs.
-                timer = threading.Timer(self.bound_s, self._end_overdue)
-                timer.daemon = True
-                timer.start()
+                threading.Thread(target=self._end_overdue, args=(self.bound_s,), name="convoy-stop-bound",
+                                 daemon=True).start()
         if not self.deferring:
             self.deferring = True   # raise once: the report of the stop must not be interrupted
             raise Stopped(signum)
 
-    def _end_overdue(self) -> None:
+    def _end_overdue(self, after_s: float) -> None:
+        """In ``after_s`` seconds, end the process (the stop took too long)."""
+        time.sleep(after_s)
         if self.overdue is not None:
             self.overdue(StopOverdue(self.signum, self.bound_s or 0.0))
         sys.stderr.flush()

@@ -45,7 +45,7 @@ def test_a_slot_written_from_an_image_is_the_slot_written_from_the_tensors(tmp_p
     layout = Layout("rank", [Slot("state", [TensorSpec.of(k, v) for k, v in state.items()])], {"checksum": "pagesum"})
     arena = RankArena(layout.slots[0])
     memory = MomentumCorrection(0.9)
-    memory.place = lambda key, like: arena.place("sync." + key, like, 0)
+    memory.place_in(lambda key, like: arena.place("sync." + key, like, 0))
     placed = dict(state)
     for i in range(len(sizes)):   # the memory's own update, into the image
         compensated, sent = state[f"sync.residual.{i}"] + 1.0, torch.ones(sizes[i])
@@ -78,7 +78,7 @@ def test_an_image_is_reused_only_when_its_residuals_are_dead_and_written():
     memory = ResidualMemory()
     used = []
     for step in range(3):   # steps 0-2: each its own image; step 0's is checkpointed, being written
-        memory.place = lambda key, like, step=step: arena.place("sync." + key, like, step)
+        memory.place_in(lambda key, like, step=step: arena.place("sync." + key, like, step))
         memory.update(like + step, "0", torch.zeros(1000))
         used.append(memory.residuals["0"].data_ptr())
         if step == 0:

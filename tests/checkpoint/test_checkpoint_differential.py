@@ -321,7 +321,7 @@ def test_a_replayed_exchange_takes_the_logged_average_and_keeps_the_memory_movin
     plain = AllReduce(None, BlockTopKCompressor(1), ResidualMemory())
     replayed = AllReduce(None, BlockTopKCompressor(1), ResidualMemory())
     logged = torch.full((4 * CHUNK,), 0.25)
-    replayed.replay = lambda step, layers: logged if (step, layers) == (0, ("fc",)) else None
+    replayed.start_replay(lambda step, layers: logged if (step, layers) == (0, ("fc",)) else None)
     shapes = (torch.Size([4 * CHUNK]),)
     first = replayed.start_flat(0, shapes, grads[0].clone(), layers=("fc",)).wait()
     assert first is logged and replayed.traffic() == (0, 0)

@@ -226,6 +226,25 @@ def test_workers_die_with_a_sigkilled_parent(tmp_path):
     assert _gone_within(child, 15)
 
 
+@pytest.mark.timeout(60)
+def test_a_stop_that_cannot_finish_ends_the_process_within_its_bound():
+    """A rank whose stop is stuck (here: asleep, as in a collective with peers that are gone) reports
+    the overdue stop and exits 128 + the signal once the bound has passed, not before."""
+    code = ("import os, signal, time\n"
+            "from convoy.utils.lifetime import StopRequest\n"
+            "stop = StopRequest.install(bound_s=1.0, overdue=lambda exc: print('overdue', exc.bound_s, flush=True))\n"
+            "stop.defer()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "print('deferred', stop.signum, flush=True)\n"
+            "time.sleep(600)\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    took = time.monotonic() - start
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert done.stdout.split() == ["deferred", str(int(signal.SIGTERM)), "overdue", "1.0"]
+    assert 1.0 <= took < 30
+
+
 @pytest.mark.timeout(360)
 def test_sigterm_to_the_launcher_stops_every_rank_after_one_step_in_one_line(tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "convoy", "train", "--nproc", "2", "--steps", "100000",

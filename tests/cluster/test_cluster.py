@@ -207,7 +207,7 @@ def test_a_machines_lowest_rank_speaks_for_it_but_a_profile_file_sets_ranks_apar
                 NodeProfile(1, "h", cpu_mhz=1900.0, uplink_mbps=48.0, from_file=("uplink_mbps",)),
                 NodeProfile(2, "g", cpu_mhz=1000.0, uplink_mbps=100.0, noise={"uplink_mbps": 0.1}),
                 NodeProfile(3, "g", cpu_mhz=1100.0, uplink_mbps=120.0)]
-    one_profile_per_machine(profiles, ["h/1", "h/1", "g/1", "g/1"])
+    profiles = one_profile_per_machine(profiles, ["h/1", "h/1", "g/1", "g/1"])
     assert [p.cpu_mhz for p in profiles] == [2000.0, 2000.0, 1000.0, 1000.0]
     assert [p.uplink_mbps for p in profiles] == [900.0, 48.0, 100.0, 100.0]
     assert profiles[3].noise == {"uplink_mbps": 0.1}
