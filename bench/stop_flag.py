@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.figures import Block, rows_of, table  # noqa: E402
 from convoy.train.divergence import DivergenceGuard  # noqa: E402
 from convoy.utils.spawn import run_in_processes  # noqa: E402
 
@@ -80,6 +81,21 @@ def main() -> None:
     (out / "stop_flag.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (out / "stop_flag.md").write_text(f"`python bench/stop_flag.py --steps {args.steps} --rounds {args.rounds} "
                                       f"--world {args.world}` (gloo, shared machine)\n\n" + "\n".join(lines) + "\n")
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_stop_flag() -> str:
+    return table(["variant", "us / step (best)", "median", "check cost us"],
+                 [[r["variant"], f"{r['us_per_step_best']:.0f}", f"{r['us_per_step_median']:.0f}",
+                   f"{r['check_us']:.0f}"] for r in rows_of("stop_flag")])
+
+
+BLOCKS = (
+    Block("stop_flag", "What the stop signal adds to the guard's per-step flag", ("stop_flag",),
+          "the loss flag alone (before the stop signal travelled in it)", render_stop_flag,
+          rerun="python bench/stop_flag.py --steps 1000 --rounds 5 --world 2"),
+)
 
 
 if __name__ == "__main__":
