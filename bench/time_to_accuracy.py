@@ -335,9 +335,12 @@ def render_ps_steps(*names: str, versus: str = "graph step", sent: str = "MB sen
 TTA = ("python bench/time_to_accuracy.py --model vgg_fc --lr 0.02 --batch-size 16 --steps 400 "
        "--eval-every 25 --warmup-steps 20 --rate 100mbit")
 PS_COLOCATED = ("time_to_accuracy_vgg_fc_100mbit_ps", "time_to_accuracy_resnet18_100mbit_ps")
-VERSUS_POWERSGD = "DDP + torch's PowerSGD hook (rank 2) in the same run (powersgd; the ratios are its time over each row's)"
-RESNET18_RUNS = ("time_to_accuracy_resnet18_100mbit_i18", "time_to_accuracy_resnet18_100mbit_i18b",
-                 "time_to_accuracy_resnet18_100mbit_i18c", "time_to_accuracy_resnet18_100mbit_i18d")
+VERSUS_POWERSGD = ("DDP + torch's PowerSGD hook (rank 2) in the same run (powersgd; the ratios are its time over each "
+                   "row's)")
+RESNET18_RUNS = ("time_to_accuracy_resnet18_100mbit_vs_ddp_powersgd",
+                 "time_to_accuracy_resnet18_100mbit_vs_ddp_powersgd_fp16",
+                 "time_to_accuracy_resnet18_100mbit_vs_ddp_powersgd_fp16_fresh_clone",
+                 "time_to_accuracy_resnet18_100mbit_vs_ddp_powersgd_blocktopk_l2")
 
 BLOCKS = (
     Block("engine_vs_ddp_cluster", "Engine against torch DDP, 4 emulated hosts",
@@ -346,8 +349,8 @@ BLOCKS = (
     Block("tta_vgg_fc_100mbit", "Time to 97%: compressors, vgg_fc, 4 hosts at 100 Mbit",
           ("time_to_accuracy_vgg_fc_100mbit", "time_to_accuracy_vgg_fc_100mbit_powersgd"),
           "torch DDP and DDP + PowerSGD (rank 2), same data order",
-          partial(render_time_to_accuracy, "time_to_accuracy_vgg_fc_100mbit", "time_to_accuracy_vgg_fc_100mbit_powersgd",
-                  reference="time_to_accuracy_vgg_fc_100mbit"),
+          partial(render_time_to_accuracy, "time_to_accuracy_vgg_fc_100mbit",
+                  "time_to_accuracy_vgg_fc_100mbit_powersgd", reference="time_to_accuracy_vgg_fc_100mbit"),
           rerun=f"{TTA} (PowerSGD again with --tag powersgd --strategies powersgd)", emulated=True),
     Block("tta_vgg_fc_100mbit_sparse", "Time to 97%: sparse blocktopk 1% with DGC's corrections",
           ("time_to_accuracy_vgg_fc_100mbit_sparse",), "DDP + PowerSGD (rank 2); dense from the 100 Mbit run above",
@@ -356,19 +359,20 @@ BLOCKS = (
           rerun="python bench/time_to_accuracy.py --hosts 4 --rate 100mbit --model vgg_fc --target 0.97 "
                 "--strategies powersgd blocktopk --tag sparse", emulated=True),
     Block("tta_vgg_fc_100mbit_powersgd_engine", "Time to 95% and 97%: convoy's compressors against DDP + PowerSGD",
-          ("time_to_accuracy_vgg_fc_100mbit_i18",), VERSUS_POWERSGD,
-          partial(render_versus_peer, "time_to_accuracy_vgg_fc_100mbit_i18"),
+          ("time_to_accuracy_vgg_fc_100mbit_vs_ddp_powersgd",), VERSUS_POWERSGD,
+          partial(render_versus_peer, "time_to_accuracy_vgg_fc_100mbit_vs_ddp_powersgd"),
           rerun="python bench/time_to_accuracy.py --hosts 4 --rate 100mbit --model vgg_fc --target 0.97 "
-                "--strategies powersgd convoy-powersgd blocktopk", emulated=True),
+                "--tag vs_ddp_powersgd --strategies powersgd convoy-powersgd blocktopk", emulated=True),
     Block("tta_resnet18_100mbit_peer", "Time to 95% and 97%: resnet18, convoy's compressors against DDP + PowerSGD",
           RESNET18_RUNS,
           "DDP + torch's PowerSGD hook (rank 2), in each run (the ratios are its time in that run over each row's)",
           partial(render_versus_peer, *RESNET18_RUNS),
           rerun="python bench/time_to_accuracy.py --hosts 4 --rate 100mbit --model resnet18 --target 0.97 "
-                "--eval-every 25 --tag i18 --strategies powersgd convoy-powersgd blocktopk fp16 (run 1); --tag i18b "
-                "--strategies powersgd fp16 (run 2); --tag i18c --strategies powersgd fp16 (run 3, a fresh clone); "
-                "without --eval-every (20), --tag i18d --strategies powersgd blocktopk (run 4, blocktopk scoring "
-                "blocks by L2)", emulated=True),
+                "--eval-every 25 --tag vs_ddp_powersgd --strategies powersgd convoy-powersgd blocktopk fp16 (run 1); "
+                "--tag vs_ddp_powersgd_fp16 --strategies powersgd fp16 (run 2); --tag "
+                "vs_ddp_powersgd_fp16_fresh_clone --strategies powersgd fp16 (run 3, a fresh clone); without "
+                "--eval-every (20), --tag vs_ddp_powersgd_blocktopk_l2 --strategies powersgd blocktopk (run 4, "
+                "blocktopk scoring blocks by L2)", emulated=True),
     Block("tta_vgg_fc_1gbit_peer", "Time to 95% and 97% at 1 Gbit: vgg_fc, convoy against DDP + PowerSGD",
           ("time_to_accuracy_vgg_fc_1gbit",), VERSUS_POWERSGD,
           partial(render_versus_peer, "time_to_accuracy_vgg_fc_1gbit"),
