@@ -22,6 +22,7 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import save  # noqa: E402
+from bench.figures import Block, percent, rows_of, seconds, table as markdown_table  # noqa: E402
 
 
 def accuracy_at(curve: Sequence[Sequence[float]], budget_s: float) -> float | None:
@@ -78,6 +79,31 @@ def main() -> None:
         parser.exit(2, f"accuracy_at_budget: error: {exc}\n")
     save(f"accuracy_at_budget_{args.name}", {"files": [p.name for p in args.files], "budget_s": args.budget_s}, table,
          ["model", "rate", "strategy", "budget_s", "accuracy_at_budget", "note"])
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+SETTINGS = tuple((model, rate) for model in ("vgg_fc", "resnet18") for rate in ("100mbit", "1gbit"))
+
+
+def render_accuracy_at_budget() -> str:
+    cells = []
+    for model, rate in SETTINGS:
+        rows = rows_of(f"accuracy_at_budget_{model}_{rate}")
+        if rows:
+            ranked = sorted(rows, key=lambda r: -(r["accuracy_at_budget"] or 0))
+            cells.append([f"{model}, {rate}", seconds(rows[0]["budget_s"]),
+                          ", ".join(f"{r['strategy']} {percent(r['accuracy_at_budget'], 'not evaluated yet')}"
+                                    for r in ranked)])
+    return markdown_table(["setting", "budget (the first run to 97%)", "accuracy at the budget"], cells)
+
+
+BLOCKS = (
+    Block("accuracy_at_budget", "Every strategy at one wall-time budget",
+          tuple(f"accuracy_at_budget_{model}_{rate}" for model, rate in SETTINGS),
+          "the first run of the setting to reach 97%", render_accuracy_at_budget,
+          rerun="python bench/accuracy_at_budget.py FILES --name NAME"),
+)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -54,6 +55,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, save, spawn  # noqa: E402
+from bench.figures import Block, Row, number, rows_of, seconds, table  # noqa: E402
 from bench.engine_vs_ddp import WARMUP, _batch, _model  # noqa: E402
 from convoy.checkpoint import CheckpointSettings, start_checkpointing  # noqa: E402
 from convoy.checkpoint.fsinfo import fs_info  # noqa: E402
@@ -297,6 +299,51 @@ def main() -> None:
     save(stem, settings, rows, ["model", "mode", "median_step_s", "overhead_%", "mean_overhead_%", "cpu_overhead_%",
                                 "path_cpu_ms", "persist_cpu_ms", "stall_ms", "MB_per_ckpt", "MB_written_per_s", "recovery_s"])
     _plot(timelines, RESULTS / f"{stem}.png")
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_checkpoint(name: str) -> str:
+    """One result file's modes against no checkpoint: the step, the CPU, the listener's share, the stall."""
+    def cpu(r: Row) -> str:
+        return "" if r["mode"] == "none" or "cpu_overhead_%" not in r else f"{r['cpu_overhead_%']:+.1f}%"
+
+    def listener(r: Row) -> str:
+        return "" if r.get("path_cpu_ms") in (None, "") else f"{r['path_cpu_ms']:.3g} / {r['persist_cpu_ms']:.3g} ms"
+
+    def mean(r: Row) -> str:   # rows measured before the column was added have none
+        return "" if r["mode"] == "none" or "mean_overhead_%" not in r else f"{r['mean_overhead_%']:+.1f}%"
+
+    return table(["model", "mode", "median step", "overhead", "overhead of the mean step", "CPU overhead",
+                  "listener CPU / step (training / persister)", "stall / ckpt", "MB / ckpt", "recovery"],
+                 [[r["model"], r["mode"], seconds(r["median_step_s"]),
+                   "" if r["mode"] == "none" else f"{r['overhead_%']:+.1f}%", mean(r), cpu(r), listener(r),
+                   "" if r["mode"] == "none" else f"{r['stall_ms']:.3g} ms",
+                   "" if r["mode"] == "none" else number(r["MB_per_ckpt"]),
+                   seconds(r.get("recovery_s"), missing="")] for r in rows_of(name)])
+
+
+BLOCKS = (
+    Block("checkpoint", "Checkpointing every step", ("checkpoint",),
+          "torch.save and torch.distributed.checkpoint's async_save every step; torch.load for recovery",
+          partial(render_checkpoint, "checkpoint"),
+          rerun="python bench/checkpoint.py --models resnet18 --steps 10 --rounds 2"),
+    Block("checkpoint_blocktopk", "Checkpointing every step under blocktopk (differential checkpoints)",
+          ("checkpoint_blocktopk",), "torch.save with fsync every step, each rank's residuals included",
+          partial(render_checkpoint, "checkpoint_blocktopk"),
+          rerun="python bench/checkpoint.py --models resnet18 --steps 10 --rounds 2 --compress blocktopk"),
+    Block("checkpoint_blocktopk_ab", "Differential checkpoints against none, paired (blocktopk)",
+          ("checkpoint_blocktopk_ab",), "no checkpoint, the two modes alternating twenty times",
+          partial(render_checkpoint, "checkpoint_blocktopk_ab"),
+          rerun="python bench/checkpoint.py --models resnet18 --steps 10 --rounds 20 --compress blocktopk "
+                "--modes none convoy --tag ab"),
+    Block("checkpoint_blocktopk_long", "Differential checkpoints against none, long enough for full snapshots",
+          ("checkpoint_blocktopk_long",),
+          "no checkpoint, alternating; 110 steps a round, so the full snapshots the listener spaces count",
+          partial(render_checkpoint, "checkpoint_blocktopk_long"),
+          rerun="python bench/checkpoint.py --models resnet18 --steps 110 --rounds 3 --compress blocktopk "
+                "--modes none convoy --tag long"),
+)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import save  # noqa: E402
+from bench.figures import Block, number, rows_of, seconds, table  # noqa: E402
 from convoy.emulation import parse_rate  # noqa: E402
 
 
@@ -79,6 +80,27 @@ def main() -> None:
         save(f"cluster_allreduce_{args.rate}_{world}" + ("_busy" if args.busy else ""), vars(args), rows,
              ["size_MB", "hosts", "rate", "busy", "allreduce_s", "ring_bound_s", "measured/bound"])
     dist.destroy_process_group()
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+SOURCES = ("cluster_allreduce_100mbit_4", "cluster_allreduce_100mbit_4_busy", "cluster_allreduce_1gbit_4",
+           "cluster_allreduce_1gbit_4_busy")
+
+
+def render_cluster_allreduce() -> str:
+    rows = rows_of(*SOURCES)
+    return table(["size", "hosts", "links", "ranks busy", "gloo all-reduce", "ring bound", "measured / bound"],
+                 [[f"{r['size_MB']:g} MB", str(r["hosts"]), r["rate"], "yes" if r["busy"] else "no",
+                   seconds(r["allreduce_s"]), seconds(r["ring_bound_s"]), number(r["measured/bound"])]
+                  for r in rows])
+
+
+BLOCKS = (
+    Block("cluster_allreduce", "gloo all-reduce on emulated hosts", SOURCES,
+          "the bandwidth-optimal ring, 2 (N - 1) / N x bytes / rate", render_cluster_allreduce,
+          rerun="python bench/cluster_allreduce.py --rate 100mbit|1gbit [--busy]", emulated=True),
+)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.figures import Block, rows_of, table  # noqa: E402
 
 
 def stress_net():
@@ -165,13 +167,27 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
         bad += args.runs - counts["ok"]
         rows.append({"hook": hook, "runs": args.runs, **counts, "seconds": round(time.monotonic() - start, 1)})
-    sys.path.insert(0, str(ROOT))
     from bench.common import save
 
     settings = {"options": args.options, "steps": args.steps, "end": args.end, "timeout_s": args.timeout}
     save("ddp_hook_stress" + (f"_{args.tag}" if args.tag else ""), settings, rows,
          ["hook", "runs", "ok", "hang", "abort", "failed", "seconds"])
     return 1 if bad else 0
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_ddp_hook_stress() -> str:
+    return table(["hook", "runs", "ended cleanly", "hung", "aborted", "failed"],
+                 [[r["hook"], str(r["runs"]), str(r["ok"]), str(r["hang"]), str(r["abort"]), str(r["failed"])]
+                  for r in rows_of("ddp_hook_stress")])
+
+
+BLOCKS = (
+    Block("ddp_hook_stress", "DDP comm hooks: fresh two-process gloo jobs that must all end cleanly",
+          ("ddp_hook_stress",), "no peer: the bar is zero hangs and aborts", render_ddp_hook_stress,
+          rerun="python bench/ddp_hook_stress.py --runs 50 --hooks blocktopk powersgd fp16 topk --timeout 120"),
+)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import save, spawn, timed_round  # noqa: E402
+from bench.figures import Block, number, rows_of, seconds, table  # noqa: E402
 from convoy.engine import Engine  # noqa: E402
 from convoy.engine.engine import DEFAULT_BUCKET_BYTES  # noqa: E402
 from convoy.models import build_model  # noqa: E402
@@ -132,6 +133,24 @@ def main() -> None:
     save("engine_vs_ddp", settings, rows,
          ["model", "world", "batch/worker", "bucket_kb", "rounds", "engine_step_s", "ddp_step_s", "engine/ddp",
           "ratio_range", "cpu_engine/ddp", "engine_samples_s", "ddp_samples_s", "engine_wait_s", "MB_sent/step"])
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_engine_vs_ddp() -> str:
+    rows = rows_of("engine_vs_ddp")
+    return table(["model", "workers", "bucket KB", "engine step", "DDP step", "engine / DDP",
+                  "engine waiting on comm", "MB sent / step / worker"],
+                 [[r["model"], str(r["world"]), number(r.get("bucket_kb")), seconds(r["engine_step_s"]),
+                   seconds(r["ddp_step_s"]), number(r["engine/ddp"]), seconds(r["engine_wait_s"]),
+                   number(r["MB_sent/step"])] for r in rows])
+
+
+BLOCKS = (
+    Block("engine_vs_ddp", "Engine against torch DDP, loopback", ("engine_vs_ddp",),
+          "torch DDP, same model, data, initialisation and optimizer", render_engine_vs_ddp,
+          rerun="python bench/engine_vs_ddp.py --models vgg_fc resnet18 --worlds 2 --steps 20"),
+)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, save  # noqa: E402
+from bench.figures import Block, number, percent, rows_of, seconds, table, times  # noqa: E402
 from convoy.cli.launch import run_ranks  # noqa: E402
 from convoy.emulation import EmulatedCluster, Topology, parse_rate  # noqa: E402
 
@@ -198,6 +199,27 @@ def main() -> None:
           "final_accuracy", "step_s", "inter_rack_MB/step", "inter_rack_vs_flat", "counted_inter_cluster_MB/step",
           "counted_intra_cluster_MB/step", "max_drift", "clusters"])
     _plot(rows, RESULTS / "hierarchical.png", args.target)
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_hierarchical() -> str:
+    rows = rows_of("hierarchical")
+    return table(["run", "steps", "time to 97%", "accuracy at the common step", "final accuracy", "step (median)",
+                  "inter-rack MB / step", "fewer than flat", "max drift"],
+                 [[r["run"], str(r["steps"]),
+                   seconds(r["time_to_target_s"], "not reached") + (f" (step {r['steps_to_target']})"
+                                                                    if r["steps_to_target"] else ""),
+                   percent(r["acc_at_common_step"]), percent(r["final_accuracy"]), seconds(r["step_s"]),
+                   number(r["inter_rack_MB/step"]), times(r.get("inter_rack_vs_flat")), number(r["max_drift"])]
+                  for r in rows])
+
+
+BLOCKS = (
+    Block("hierarchical", "Hierarchical sync on two emulated racks", ("hierarchical",),
+          "flat all-reduce, and torch's hierarchical SGD (post-local-SGD hook + HierarchicalModelAverager, "
+          "bench/peers/hier_sgd.py)", render_hierarchical, rerun="python bench/hierarchical.py", emulated=True),
+)
 
 
 if __name__ == "__main__":

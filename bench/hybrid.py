@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import save  # noqa: E402
+from bench.figures import Block, number, rows_of, seconds, table  # noqa: E402
 
 LAYOUTS = {
     "data 4": ["--batch-size", "12"],
@@ -74,6 +75,26 @@ def main() -> None:
     save("hybrid", vars(args), rows, ["model", "layout", "ring_MB/step/worker", "link_MB/step/worker",
                                       "total_MB/step/worker", "max_MB/step/worker", "bytes_vs_data", "step_s",
                                       "peak_MB_conv_or_data", "peak_MB_fc"])
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_hybrid() -> str:
+    rows = rows_of("hybrid")
+    return table(["model", "layout", "ring MB", "link MB", "total MB", "vs data", "busiest worker MB", "step",
+                  "peak RSS conv (or data) / FC"],
+                 [[r["model"], r["layout"], number(r["ring_MB/step/worker"]), number(r["link_MB/step/worker"]),
+                   number(r["total_MB/step/worker"]), number(r["bytes_vs_data"]), number(r["max_MB/step/worker"]),
+                   seconds(r["step_s"]),
+                   f"{r['peak_MB_conv_or_data']:.0f}" + (f" / {r['peak_MB_fc']:.0f} MB" if r.get("peak_MB_fc") else " MB")]
+                  for r in rows])
+
+
+BLOCKS = (
+    Block("hybrid", "Hybrid layout: bytes per worker per step, loopback", ("hybrid",),
+          "data parallelism on the same 4 processes and global batch", render_hybrid,
+          rerun="python bench/hybrid.py --steps 12"),
+)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import save  # noqa: E402
+from bench.figures import Block, percent, rows_of, table  # noqa: E402
 from bench.time_to_accuracy import launcher  # noqa: E402
 
 SLICE_BYTES = 256 * 1024   # --sync ps's default slice
@@ -125,6 +126,22 @@ def main() -> None:
     rows = [row for congestion in args.tcp_congestion for row in rows_for(congestion, args)]
     save(f"link_patterns_{args.rate}", {k: v for k, v in vars(args).items() if k != "worker"}, rows,
          ["tcp_congestion", "pattern", "Mbit_per_s", "vs_ring", "repeats_Mbit_per_s"])
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_link_patterns() -> str:
+    rows = rows_of("link_patterns_100mbit")
+    return table(["TCP congestion control", "pattern", "each host's uplink", "of the ring's", "repeats"],
+                 [[r["tcp_congestion"], r["pattern"], f"{r['Mbit_per_s']:.1f} Mbit/s", percent(r["vs_ring"]),
+                   ", ".join(f"{v:g}" for v in r["repeats_Mbit_per_s"])] for r in rows])
+
+
+BLOCKS = (
+    Block("link_patterns", "How much of each link a ring and all-to-all traffic get, 4 hosts at 100 Mbit",
+          ("link_patterns_100mbit",), "the ring pattern in the same cluster", render_link_patterns,
+          rerun="python bench/link_patterns.py --hosts 4 --rate 100mbit --repeats 5", emulated=True),
+)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, save, table  # noqa: E402
+from bench.figures import Block, Row, load, number, seconds, table as markdown_table  # noqa: E402
 from bench.simulator_validation import costs, emulated, profile  # noqa: E402
 from bench.time_to_accuracy import STRATEGIES  # noqa: E402
 from convoy.cli.plan import rank, train_choices, train_flags  # noqa: E402
@@ -124,6 +125,32 @@ def main() -> None:
     md = RESULTS / "plan_time_to_target.md"
     md.write_text(md.read_text() + "\nPlan's first pick against the measured times to the target:\n\n"
                   + table(verdicts, columns) + "\n")
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_plan_time_to_target() -> str:
+    data = load("plan_time_to_target") or {"settings": {}}
+    verdicts = data["settings"].get("verdicts", [])
+    rows = {(r["model"], r["rate"], r["strategy"]): r for r in data.get("rows", [])}
+
+    def predicted(v: Row) -> str:
+        r = rows.get((v["model"], v["rate"], v["plan_top"]))
+        return seconds(r["predicted_time_s"]) if r else "-"
+    return markdown_table(["model, link", "steps measured at", "plan's first", "predicted", "measured",
+                           "fastest measured convoy strategy", "fastest / first", "fastest peer"],
+                          [[f"{v['model']}, {v['rate']}", v["steps_from"], v["plan_top"], predicted(v),
+                            seconds(v["plan_top_measured_s"]),
+                            f"{v['fastest_measured']}: {seconds(v['fastest_measured_s'])}",
+                            number(v["fastest_vs_plan_top"]), f"{v['fastest_peer']}: {seconds(v['fastest_peer_s'])}"]
+                           for v in verdicts])
+
+
+BLOCKS = (
+    Block("plan_time_to_target", "convoy plan's first pick against the measured time to 97%",
+          ("plan_time_to_target",), "the fastest measured convoy strategy and the fastest peer",
+          render_plan_time_to_target, rerun="python bench/plan_time_to_target.py"),
+)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import save, spawn, timed_round  # noqa: E402
+from bench.figures import Block, Row, number, rows_of, seconds, table, times  # noqa: E402
 from convoy import runtime  # noqa: E402
 from convoy.models import build_model  # noqa: E402
 from convoy.train.config import TrainConfig  # noqa: E402
@@ -342,6 +343,74 @@ def main() -> None:
     save("powersgd_step" + (f"_{args.tag}" if args.tag else ""), settings, rows,
          ["model", "world", "variant", "rank", "buckets", "step_s", "cpu_s", "forward_wait_s", "wall/hook", "cpu/hook", "wall/floor",
           "cpu/floor"])
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+# The --tag of each --profile run, on the commit of each change, and what that change did.
+POWERSGD_CHANGES = (("before", "before"), ("c1", "+ average in the gradient buffer"), ("c2", "+ residual in one pass"),
+                    ("c3", "+ thin factor on the left"), ("c4", "+ parameters read in place"),
+                    ("c5", "+ column scales on scalars"), ("c6", "+ P left in flight"))
+
+
+def render_powersgd_step() -> str:
+    """convoy's powersgd against the hook at each R, before and after the changes; after: against the floor."""
+    def by_key(name: str) -> dict[tuple, Row]:
+        return {(r["model"], r["variant"], r["rank"]): r for r in rows_of(name)}
+
+    before, after = by_key("powersgd_step_before"), by_key("powersgd_step_after")
+    cells = []
+    for (model, variant, rank), row in after.items():
+        if variant != "convoy":
+            continue
+        old = before.get((model, variant, rank), {})
+        blocking = after.get((model, "convoy_blocking", rank), {})
+        cells.append([model, str(rank), str(row.get("buckets", "-")), seconds(after[(model, "floor", None)]["cpu_s"]),
+                      seconds(after[(model, "hook", rank)]["cpu_s"]), seconds(row["cpu_s"]),
+                      number(old.get("cpu/hook")), number(row["cpu/hook"]), number(old.get("wall/hook")),
+                      number(row["wall/hook"]), number(blocking.get("wall/hook")), number(row["cpu/floor"]),
+                      number(row["wall/floor"]), seconds(row["forward_wait_s"]),
+                      seconds(blocking.get("forward_wait_s"))])
+    return table(["model", "R", "convoy buckets", "floor CPU / step", "hook CPU / step", "convoy CPU / step", "convoy CPU / hook, before",
+                  "after", "convoy wall / hook, before", "after", "after, P blocking", "convoy CPU / floor",
+                  "convoy wall / floor", "forward waiting", "forward waiting, P blocking"], cells)
+
+
+def render_powersgd_profile() -> str:
+    """The auxiliary thread's CPU per stage, at each change (each file measured on its commit)."""
+    stages = {tag: {(r["model"], r["rank"], r["stage"]): r["cpu_ms_per_step"] for r in rows_of(f"powersgd_profile_{tag}")}
+              for tag, _ in POWERSGD_CHANGES}
+    keys = [(r["model"], r["rank"], r["stage"]) for r in rows_of("powersgd_profile_before")]
+    return table(["model", "R", "stage (CPU ms / step)", *(label for _, label in POWERSGD_CHANGES)],
+                 [[model, str(rank), stage, *(f"{stages[tag][(model, rank, stage)]:.1f}"
+                                              if (model, rank, stage) in stages[tag] else "-"
+                                              for tag, _ in POWERSGD_CHANGES)]
+                  for model, rank, stage in keys])
+
+
+def render_powersgd_kernels() -> str:
+    rows = rows_of("powersgd_kernels")
+    return table(["model", "matrix", "R", "product", "thin factor right", "thin factor left", "faster", "same bits"],
+                 [[r["model"], r["matrix"], str(r["rank"]), r["product"], f"{r['thin_right_ms']:.2f} ms",
+                   f"{r['thin_left_ms']:.2f} ms", times(r["thin_right_ms"] / r["thin_left_ms"]),
+                   "yes" if r["same_bits"] else "no"] for r in rows])
+
+
+BLOCKS = (
+    Block("powersgd_step", "convoy's PowerSGD step against DDP + torch's PowerSGD hook, loopback",
+          ("powersgd_step_after", "powersgd_step_before"),
+          "DDP + torch's powerSGD_hook at the same rank R (warm start, error feedback, one bucket) and the same "
+          "ranks with no exchange (the floor), rounds interleaved in each run", render_powersgd_step,
+          rerun="python bench/powersgd_step.py --blocking-rounds --tag after; --tag before on the commit before "
+                "the changes"),
+    Block("powersgd_profile", "Where convoy's PowerSGD step spends its auxiliary thread's CPU",
+          tuple(f"powersgd_profile_{tag}" for tag, _ in POWERSGD_CHANGES), "the step before each change",
+          render_powersgd_profile,
+          rerun="python bench/powersgd_step.py --profile --ranks 4 --rounds 6 --tag TAG, each on its commit"),
+    Block("powersgd_kernels", "PowerSGD's products with the thin factor on either side", ("powersgd_kernels",),
+          "the products as written, thin factor on the right (what convoy ran before)", render_powersgd_kernels,
+          rerun="python bench/powersgd_step.py --kernels --rounds 30"),
+)
 
 
 if __name__ == "__main__":

@@ -25,10 +25,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, save  # noqa: E402
+from bench.figures import Block, number, percent, rows_of, seconds, table, times  # noqa: E402
 
 HOSTS, SERVERS, BATCH = 4, 1, 16
 PS = ["--sync", "ps", "--servers", str(SERVERS)]
@@ -151,6 +153,35 @@ def main() -> None:
         row["speedup_vs_fifo"] = fifo["step_s"] / row["step_s"] if fifo else None
     save("ps_full" if args.full else "ps", vars(args), rows, ["model", "rate", "config", "workers", "step_s", "speedup_vs_fifo", "wait_s",
                                   "samples/s", "MB_sent/step/worker", "steps_measured"])
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_ps(name: str) -> str:
+    rows = rows_of(name)
+    return table(["model", "link", "config", "workers", "step", "vs fifo", "samples / s", "steps measured"],
+                 [[r["model"], r["rate"], r["config"], str(r["workers"]), seconds(r["step_s"]),
+                   times(r["speedup_vs_fifo"]), number(r["samples/s"]), str(r["steps_measured"])]
+                  for r in rows])
+
+
+def render_ps_time_to_accuracy() -> str:
+    rows = rows_of("ps_time_to_accuracy")
+    return table(["config", "time to 97%", "steps", "final accuracy"],
+                 [[r["config"], seconds(r["time_to_target_s"], "not reached"), number(r["steps_to_target"]),
+                   percent(r["final_accuracy"])] for r in rows])
+
+
+BLOCKS = (
+    Block("ps", "Parameter server: step time by priority mode (default subset)", ("ps",),
+          "FIFO (whole tensors, one channel, no window) and ring all-reduce", partial(render_ps, "ps"),
+          rerun="python bench/ps.py", emulated=True),
+    Block("ps_full", "Parameter server: every configuration", ("ps_full",), "FIFO and ring all-reduce",
+          partial(render_ps, "ps_full"), rerun="python bench/ps.py --full", emulated=True),
+    Block("ps_time_to_accuracy", "Parameter server: time to 97%, vgg_fc, 1 Gbit", ("ps_time_to_accuracy",),
+          "ring all-reduce with about the same global batch", render_ps_time_to_accuracy,
+          rerun="python bench/ps.py --tta", emulated=True),
+)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,12 @@ import argparse
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import save  # noqa: E402
+from bench.figures import Block, rows_of, seconds, table, times  # noqa: E402
 from bench.time_to_accuracy import launcher, step_figures  # noqa: E402
 
 DEFAULT = "ps, defaults"
@@ -75,6 +77,27 @@ def main() -> None:
     suffix = f"_{args.tcp_congestion}" if args.tcp_congestion else ""
     save(f"ps_settings_{args.model}_{args.rate}{suffix}", vars(args), rows,
          ["setting", "step_s", "vs_all_reduce", "vs_ps_defaults", "MB_sent/step", "error"])
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_ps_settings(name: str) -> str:
+    return table(["setting", "step", "step / all-reduce step", "step / ps defaults' step"],
+                 [[r["setting"], seconds(r.get("step_s")) if "error" not in r else f"failed: {r['error']}",
+                   times(r.get("vs_all_reduce")), times(r.get("vs_ps_defaults"))] for r in rows_of(name)])
+
+
+BLOCKS = (
+    Block("ps_settings", "The colocated step under its transfer settings, vgg_fc, 4 hosts at 100 Mbit",
+          ("ps_settings_vgg_fc_100mbit",), "convoy's ring all-reduce and the ps defaults, in the same run",
+          partial(render_ps_settings, "ps_settings_vgg_fc_100mbit"),
+          rerun="python bench/ps_settings.py --hosts 4 --rate 100mbit --model vgg_fc --steps 25", emulated=True),
+    Block("ps_settings_cubic", "The colocated step under its transfer settings, hosts on TCP cubic",
+          ("ps_settings_vgg_fc_100mbit_cubic",), "convoy's ring all-reduce and the ps defaults, in the same run",
+          partial(render_ps_settings, "ps_settings_vgg_fc_100mbit_cubic"),
+          rerun="python bench/ps_settings.py --hosts 4 --rate 100mbit --model vgg_fc --steps 25 "
+                "--tcp-congestion cubic", emulated=True),
+)
 
 
 if __name__ == "__main__":

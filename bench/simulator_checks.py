@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, save  # noqa: E402
+from bench.figures import Block, rows_of, seconds, table  # noqa: E402
 
 COMPRESSORS = {"none": [], "fp16": ["--compress", "fp16"], "topk": ["--compress", "topk"],
                "randomk": ["--compress", "randomk"], "blocktopk k=1": ["--compress", "blocktopk"],
@@ -134,6 +135,22 @@ def main() -> None:
                               "processes": 4}, rows,
          ["check", "small_done_s", "large_done_s", "compressor", "step_s", "main_cpu_ms", "auxiliary_cpu_ms",
           "gloo_cpu_ms", "modelled_aux_ms"])
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_simulator_checks() -> str:
+    rows = rows_of("simulator_checks")
+    return table(["check", "small collective done after", "large collective done after"],
+                 [[r["check"], seconds(r["small_done_s"]), seconds(r["large_done_s"])]
+                  for r in rows if r["check"] == "lanes"])
+
+
+BLOCKS = (
+    Block("simulator_checks", "gloo runs two collectives at once", ("simulator_checks",),
+          "a small all-reduce started after a large one", render_simulator_checks,
+          rerun="python bench/simulator_checks.py"),
+)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, machine  # noqa: E402
+from bench.figures import Block, load, percent, rows_of, seconds, table  # noqa: E402
 from bench.simulator_validation import costs as measured_costs  # noqa: E402
 from bench.simulator_validation import profile as measured_profile  # noqa: E402
 from convoy.sim.cluster import Cluster  # noqa: E402
@@ -169,6 +170,40 @@ def main() -> None:
     plot(rows, RESULTS / "simulator_projection.png")
     print(horovod)
     print(text)
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_simulator_projection() -> str:
+    rows = rows_of("simulator_projection")
+    settings = list(dict.fromkeys((r["model"], r["gbit"]) for r in rows))
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    eff = {(r["model"], r["gbit"], r["nodes"], r["strategy"]): r["efficiency"] for r in rows}
+    parts = []
+    for nodes in (64, 1024):
+        parts.append(f"{nodes} nodes:\n\n" + table(
+            ["strategy", *(f"{m} {g}G" for m, g in settings)],
+            [[s, *(f"{100 * eff[(m, g, nodes, s)]:.0f}%" if (m, g, nodes, s) in eff else "-" for m, g in settings)]
+             for s in strategies]))
+    return "\n\n".join(parts)
+
+
+def render_horovod_check() -> str:
+    data = load("simulator_projection") or {"settings": {}}
+    check = data["settings"].get("horovod_check", {})
+    return table(["model", "Horovod (512 GPUs, 25 Gbit)", "simulator", "predicted step"],
+                 [[m, percent(c.get("published")), percent(c.get("predicted")), seconds(c.get("step_s"))]
+                  for m, c in check.items()])
+
+
+BLOCKS = (
+    Block("simulator_projection", "Projected scaling efficiency (a model, not a measurement)",
+          ("simulator_projection",), "N x convoy's engine on one node", render_simulator_projection,
+          rerun="python bench/simulator_projection.py"),
+    Block("horovod_check", "The simulator against Horovod's published table", ("simulator_projection",),
+          "Horovod's benchmark page (512 GPUs, 25 Gbit RoCE)", render_horovod_check,
+          rerun="python bench/simulator_projection.py"),
+)
 
 
 if __name__ == "__main__":

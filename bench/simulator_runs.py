@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, save  # noqa: E402
+from bench.figures import Block, number, rows_of, seconds, table  # noqa: E402
 from bench.time_to_accuracy import STRATEGIES as PEER_TABLE, step_figures  # noqa: E402
 
 # The time-to-accuracy strategies, and settings convoy plan ranks high on slow links.
@@ -110,6 +111,30 @@ def main() -> None:
                 print(row, flush=True)
                 save(name, vars(args), list(rows.values()),
                      ["strategy", "step_s", "MB_sent/step", "load_before", "load_after", "other_jobs"])
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+SIM_RUNS = tuple(f"simulator_runs_{m}_{r}" for m in ("vgg_fc", "resnet18") for r in ("100mbit", "1gbit"))
+
+
+def render_steady_steps() -> str:
+    cells = []
+    for model in ("vgg_fc", "resnet18"):
+        by_rate = {rate: {r["strategy"]: r for r in rows_of(f"simulator_runs_{model}_{rate}")}
+                   for rate in ("100mbit", "1gbit")}
+        for strategy in dict.fromkeys(s for rows in by_rate.values() for s in rows):
+            slow, fast = by_rate["100mbit"].get(strategy, {}), by_rate["1gbit"].get(strategy, {})
+            cells.append([model, strategy, seconds(slow.get("step_s")), seconds(fast.get("step_s")),
+                          number((slow or fast).get("MB_sent/step"))])
+    return table(["model", "strategy", "step at 100 Mbit", "step at 1 Gbit", "MB / step / worker"], cells)
+
+
+BLOCKS = (
+    Block("simulator_runs", "Steady step of every strategy, 4 emulated hosts", SIM_RUNS,
+          "torch DDP and DDP + PowerSGD (rows ddp, powersgd)", render_steady_steps,
+          rerun="python bench/simulator_runs.py --model vgg_fc|resnet18 --rate 100mbit|1gbit", emulated=True),
+)
 
 
 if __name__ == "__main__":

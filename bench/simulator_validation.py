@@ -35,12 +35,13 @@ import re
 import statistics
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, save  # noqa: E402
+from bench.figures import Block, rows_of, seconds, table as markdown_table  # noqa: E402
 from bench.time_to_accuracy import STRATEGIES  # noqa: E402
 from convoy.emulation.topology import parse_rate  # noqa: E402
 from convoy.sim.catalog import from_flags  # noqa: E402
@@ -406,6 +407,52 @@ def main() -> None:
     md.write_text(md.read_text() + "\nPer strategy (timed rows):\n\n"
                   + table(summary, ["kind", "strategy", "cases", "mean_abs_error_%", "max_abs_error_%"])
                   + "\n\nconvoy plan against the measurements (samples/s):\n\n" + table(plan, plan_columns) + "\n")
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_simulator_runs(model: str) -> str:
+    """The simulator against the measured steady steps of ``model`` at both link rates."""
+    rows = [r for r in rows_of("simulator_validation")
+            if r["source"].startswith(f"simulator_runs_{model}_") and r["unit"] == "s"]
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    by = {(r["strategy"], rate): r for r in rows for rate in ("100mbit", "1gbit") if f" {rate}," in r["setting"]}
+
+    def cells(strategy: str, rate: str) -> list[str]:
+        r = by.get((strategy, rate))
+        return ["-"] * 3 if r is None else [seconds(r["measured"]), seconds(r["predicted"]),
+                                            f"{r['error_%']:+.0f}%"]
+    return markdown_table(["strategy", "100 Mbit measured", "predicted", "error", "1 Gbit measured", "predicted",
+                           "error"], [[s, *cells(s, "100mbit"), *cells(s, "1gbit")] for s in strategies])
+
+
+def render_simulator_errors() -> str:
+    rows = [r for r in rows_of("simulator_validation") if r["unit"] == "s"]
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        family = r["strategy"].split()[1] if r["strategy"].startswith("allreduce ") and \
+            len(r["strategy"].split()) > 1 else r["strategy"].split()[0]
+        family = "powersgd" if "powersgd" in r["strategy"] else family
+        groups.setdefault((r["kind"], family), []).append(abs(r["error_%"]))
+    within = sum(1 for r in rows if r["kind"] == "validation" and abs(r["error_%"]) <= 20)
+    total = sum(1 for r in rows if r["kind"] == "validation")
+    text = markdown_table(["kind", "strategy", "cases", "mean abs error", "max abs error"],
+                          [[k, s, str(len(e)), f"{sum(e) / len(e):.0f}%", f"{max(e):.0f}%"]
+                           for (k, s), e in sorted(groups.items())])
+    return f"{text}\n\nValidation rows within 20%: {within} of {total}."
+
+
+BLOCKS = (
+    Block("simulator_vgg_fc", "Simulator against measured steps: vgg_fc", ("simulator_validation",),
+          "the measured step on 4 emulated hosts", partial(render_simulator_runs, "vgg_fc"),
+          rerun="python bench/simulator_validation.py (after the simulator_runs above)"),
+    Block("simulator_resnet18", "Simulator against measured steps: resnet18", ("simulator_validation",),
+          "the measured step on 4 emulated hosts", partial(render_simulator_runs, "resnet18"),
+          rerun="python bench/simulator_validation.py (after the simulator_runs above)"),
+    Block("simulator_errors", "Simulator error per strategy, every timed row", ("simulator_validation",),
+          "every measured result file the script knows", render_simulator_errors,
+          rerun="python bench/simulator_validation.py"),
+)
 
 
 if __name__ == "__main__":

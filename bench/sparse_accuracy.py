@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import save  # noqa: E402
+from bench.figures import Block, number, rows_of, table, times  # noqa: E402
 
 COMMAND = ["--model", "vgg_fc", "--nproc", "2", "--batch-size", "16", "--no-progress"]
 ISSUE_SEED = 5
@@ -103,6 +104,34 @@ def main() -> None:
          compare(runs, results, args.seeds),
          ["strategy", "seed", "flags", "test_accuracy_%", "MB_sent", "ratio_to_dense", "points_below_dense",
           "passes", "wall_s"])
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_sparse_accuracy() -> str:
+    rows = rows_of("sparse_accuracy")
+    return table(["flags (with the issue's command)", "test accuracy", "MB sent per worker", "fewer bytes than dense",
+                  "points below dense"],
+                 [[f"`{r['flags']}`", f"{r['test_accuracy_%']:.2f}%", number(r["MB_sent"]), times(r["ratio_to_dense"]),
+                   f"{r['points_below_dense']:.2f}"] for r in rows])
+
+
+def render_sparse_accuracy_seeds() -> str:
+    rows = rows_of("sparse_accuracy_seeds")
+    return table(["flags (with the issue's command)", "seed", "test accuracy", "points below dense at that seed",
+                  "fewer bytes than dense"],
+                 [[f"`{r['flags']}`", str(r["seed"]), f"{r['test_accuracy_%']:.2f}%", f"{r['points_below_dense']:.2f}",
+                   times(r["ratio_to_dense"])] for r in rows])
+
+
+BLOCKS = (
+    Block("sparse_accuracy", "Compressed against dense, vgg_fc, 2 workers, 300 steps", ("sparse_accuracy",),
+          "dense all-reduce (accuracy and bytes over the whole run)", render_sparse_accuracy,
+          rerun="python -m bench.sparse_accuracy"),
+    Block("sparse_accuracy_seeds", "The loopback check at seeds 5-8", ("sparse_accuracy_seeds",),
+          "dense all-reduce at the same seed", render_sparse_accuracy_seeds,
+          rerun="python -m bench.sparse_accuracy --seeds 5 6 7 8 --parallel 2"),
+)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.common import save
+from bench.figures import Block, percent, rows_of, seconds, table, times
 from bench.compression.selection import _median_time, layer_shapes
 from convoy.compress import BlockLayout
 from convoy.compress.rle import encode
@@ -85,6 +86,25 @@ def main() -> None:
                "MB_sent", "bytes_vs_dense"]
     save("sparse_block_size", {**vars(args), "fraction": FRACTION, "threads": 1,
                                "note": "shared 2-core machine; 0 = rows and filters"}, rows, columns)
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_sparse_block_size() -> str:
+    rows = rows_of("sparse_block_size")
+    return table(["block size (0: rows and filters)", "vgg_fc selection", "resnet18 selection",
+                  "vgg_fc accuracy", "vs dense (points)", "fewer bytes than dense"],
+                 [[str(r["block_size"]), seconds(r.get("vgg_fc_select_s")), seconds(r.get("resnet18_select_s")),
+                   percent(r.get("vgg_fc_accuracy")),
+                   "-" if r.get("accuracy_vs_dense") is None else f"{100 * r['accuracy_vs_dense']:+.1f}",
+                   times(r.get("bytes_vs_dense"))] for r in rows])
+
+
+BLOCKS = (
+    Block("sparse_block_size", "blocktopk's block size", ("sparse_block_size",),
+          "dense all-reduce (accuracy and bytes)", render_sparse_block_size,
+          rerun="python -m bench.sparse_block_size"),
+)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import save  # noqa: E402
+from bench.figures import Block, number, percent, rows_of, table  # noqa: E402
 
 
 class Rule(NamedTuple):
@@ -132,6 +133,22 @@ def main() -> None:
         rows = list(pool.map(simulate, *zip(*runs), [args] * len(runs)))
     settings = {k: v for k, v in vars(args).items() if k not in ("parallel", "variants")}
     save("staleness_rules", settings, rows, ["variant", "seed", "steps_to_target", "best_accuracy", "final_accuracy"])
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_staleness_rules() -> str:
+    rows = rows_of("staleness_rules")
+    return table(["rule", "seed", "steps to 97%", "best accuracy", "last accuracy"],
+                 [[r["variant"], str(r["seed"]), number(r.get("steps_to_target"), "not reached"),
+                   percent(r["best_accuracy"]), percent(r["final_accuracy"])] for r in rows])
+
+
+BLOCKS = (
+    Block("staleness_rules", "What a fixed delay of 2 steps costs vgg_fc, simulated in one process",
+          ("staleness_rules",), "the synchronous rule (staleness 0) on the same seeds", render_staleness_rules,
+          rerun="python bench/staleness_rules.py"),
+)
 
 
 if __name__ == "__main__":

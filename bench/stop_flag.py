@@ -13,7 +13,6 @@ Prints a table and writes bench/results/stop_flag.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -23,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import save  # noqa: E402
+from bench.figures import Block, rows_of, table  # noqa: E402
 from convoy.train.divergence import DivergenceGuard  # noqa: E402
 from convoy.utils.spawn import run_in_processes  # noqa: E402
 
@@ -70,16 +71,24 @@ def main() -> None:
     base = min(results["no check"])
     rows = [{"variant": name, "us_per_step_best": round(min(v), 2), "us_per_step_median": round(sorted(v)[len(v) // 2], 2),
              "check_us": round(min(v) - base, 2)} for name, v in results.items()]
-    lines = ["| variant | us/step (best of rounds) | median | check cost us |", "|---|---|---|---|"]
-    lines += [f"| {r['variant']} | {r['us_per_step_best']} | {r['us_per_step_median']} | {r['check_us']} |" for r in rows]
-    print("\n".join(lines))
-    out = Path(__file__).resolve().parent / "results"
-    out.mkdir(exist_ok=True)
-    meta = {"steps": args.steps, "rounds": args.rounds, "world": args.world, "backend": "gloo",
-            "note": "shared machine: absolute times inflated; compare within the run"}
-    (out / "stop_flag.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (out / "stop_flag.md").write_text(f"`python bench/stop_flag.py --steps {args.steps} --rounds {args.rounds} "
-                                      f"--world {args.world}` (gloo, shared machine)\n\n" + "\n".join(lines) + "\n")
+    settings = {"steps": args.steps, "rounds": args.rounds, "world": args.world, "backend": "gloo",
+                "note": "shared machine: absolute times inflated; compare within the run"}
+    save("stop_flag", settings, rows, ["variant", "us_per_step_best", "us_per_step_median", "check_us"])
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_stop_flag() -> str:
+    return table(["variant", "us / step (best)", "median", "check cost us"],
+                 [[r["variant"], f"{r['us_per_step_best']:.0f}", f"{r['us_per_step_median']:.0f}",
+                   f"{r['check_us']:.0f}"] for r in rows_of("stop_flag")])
+
+
+BLOCKS = (
+    Block("stop_flag", "What the stop signal adds to the guard's per-step flag", ("stop_flag",),
+          "the loss flag alone (before the stop signal travelled in it)", render_stop_flag,
+          rerun="python bench/stop_flag.py --steps 1000 --rounds 5 --world 2"),
+)
 
 
 if __name__ == "__main__":

@@ -26,10 +26,12 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, save  # noqa: E402
+from bench.figures import Block, Row, number, percent, rows_of, seconds, table, times  # noqa: E402
 from bench.time_to_accuracy import STRATEGIES, plot_curves, run_strategy  # noqa: E402
 from convoy.emulation import parse_rate  # noqa: E402
 
@@ -153,6 +155,75 @@ def main() -> None:
     save(name, asdict(profile), rows,
          ["model", "rate", "strategy", "step_s", "step_vs_limit", "time_to_target_s", "speedup_vs_dense",
           "steps_to_target", "final_accuracy", "MB_sent/step", "compute_only_s", "ring_allreduce_s", "error"])
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+# The full profile's result files of each setting (--tag kept partial runs apart).
+SUITE_FILES = {
+    ("vgg_fc", "1gbit"): ("suite_full_vgg_fc_1gbit",),
+    ("vgg_fc", "100mbit"): ("suite_full_vgg_fc_100mbit", "suite_full_vgg_fc_100mbit_slow",
+                            "suite_full_vgg_fc_100mbit_ps"),
+    ("resnet18", "1gbit"): ("suite_full_resnet18_1gbit_a", "suite_full_resnet18_1gbit_b",
+                            "suite_full_resnet18_1gbit_c"),
+    ("resnet18", "100mbit"): ("suite_full_resnet18_100mbit_a", "suite_full_resnet18_100mbit_b",
+                              "suite_full_resnet18_100mbit_c", "suite_full_resnet18_100mbit_blocktopk_global",
+                              "suite_full_resnet18_100mbit_ps"),
+}
+
+
+def suite_files(model: str) -> tuple[str, ...]:
+    return tuple(name for (m, _), names in SUITE_FILES.items() if m == model for name in names)
+
+
+def render_suite(*names: str) -> str:
+    rows = rows_of(*names)
+    dense = {(r["model"], r["rate"]): r for r in rows if r["strategy"] == "dense"}
+
+    def speedup(r: Row) -> str:
+        d = dense.get((r["model"], r["rate"]))
+        return times(d["time_to_target_s"] / r["time_to_target_s"]) \
+            if d and d["time_to_target_s"] and r["time_to_target_s"] else "-"
+    return table(["model", "links", "strategy", "step", "step / limit", "time to 97%", "vs convoy all-reduce",
+                  "accuracy at the end", "MB / step / worker"],
+                 [[r["model"], r["rate"], r["strategy"], seconds(r["step_s"]), number(r["step_vs_limit"]),
+                   seconds(r["time_to_target_s"], "not reached")
+                   + (f" (step {r['steps_to_target']})" if r["steps_to_target"] else ""),
+                   speedup(r), percent(r["final_accuracy"]), number(r["MB_sent/step"])] for r in rows])
+
+
+def render_headline() -> str:
+    """vgg_fc's time to 97% per strategy at both link rates, from the full suite."""
+    by = {(r["rate"], r["strategy"]): r for r in rows_of(*suite_files("vgg_fc"))}
+    strategies = list(dict.fromkeys(s for _, s in by))
+
+    def cell(rate: str, strategy: str) -> str:
+        r, ddp = by.get((rate, strategy)), by.get((rate, "ddp"))
+        if r is None:
+            return "-"
+        if not r["time_to_target_s"]:
+            return f"not reached ({percent(r['final_accuracy'])})"
+        ratio = f", {times(ddp['time_to_target_s'] / r['time_to_target_s'])}" if ddp and ddp["time_to_target_s"] else ""
+        return f"{seconds(r['time_to_target_s'])}{ratio}"
+    return table(["strategy", "100 Mbit: time to 97%, vs torch DDP", "1 Gbit: time to 97%, vs torch DDP"],
+                 [[s, cell("100mbit", s), cell("1gbit", s)] for s in strategies])
+
+
+BLOCKS = (
+    Block("headline", "vgg_fc to 97% on 4 emulated hosts, every strategy", suite_files("vgg_fc"),
+          "torch DDP (the ratio: its time over the strategy's) and DDP + PowerSGD (row powersgd)", render_headline,
+          rerun="python bench/suite.py --profile full --models vgg_fc", emulated=True),
+    Block("suite_small", "The comparison suite, small profile (lenet)", ("suite_small",), "torch DDP",
+          partial(render_suite, "suite_small"), rerun="python bench/suite.py --profile small", emulated=True),
+    Block("suite_vgg_fc", "The comparison suite, full profile: vgg_fc", suite_files("vgg_fc"),
+          "torch DDP and DDP + PowerSGD rank 2", partial(render_suite, *suite_files("vgg_fc")),
+          rerun="python bench/suite.py --profile full --models vgg_fc --rates 1gbit|100mbit [--strategies ...] "
+                "--tag TAG", emulated=True),
+    Block("suite_resnet18", "The comparison suite, full profile: resnet18", suite_files("resnet18"),
+          "torch DDP and DDP + PowerSGD rank 2", partial(render_suite, *suite_files("resnet18")),
+          rerun="python bench/suite.py --profile full --models resnet18 --rates 1gbit|100mbit [--strategies ...] "
+                "--tag TAG", emulated=True),
+)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, save  # noqa: E402
+from bench.figures import Block, load, loaded, number, percent, rows_of, seconds, table, times  # noqa: E402
 
 PEER = str(Path(__file__).resolve().parent / "peers" / "ddp_train.py")
 TWO_RACKS = str(Path(__file__).resolve().parent / "two_racks.toml")
@@ -257,6 +259,167 @@ def verdict(rows: list[dict], target: float, also_target: float) -> str:
                      f"{f' at {best[key]:.1f} s' if best else ''}; best tuned peer {peer or 'none reached it'}"
                      + (f"; {best[f'speedup_vs_best_peer{suffix}']:.2f}x sooner" if best and peer else ""))
     return "\n".join(lines)
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_engine_vs_ddp_cluster() -> str:
+    cells = []
+    for rate in ("1gbit", "100mbit"):
+        by = {r["strategy"]: r for r in rows_of(f"engine_vs_ddp_cluster_{rate}")}
+        if "dense" in by and "ddp" in by:
+            cells.append([rate, seconds(by["dense"]["step_s"]), seconds(by["ddp"]["step_s"]),
+                          number(by["dense"]["step_s"] / by["ddp"]["step_s"])])
+    return table(["links", "engine step", "DDP step", "engine / DDP"], cells)
+
+
+def render_time_to_accuracy(*names: str, reference: str | None = None) -> str:
+    """Rows of time_to_accuracy files; ``reference`` supplies the dense row where a file has none."""
+    cells = []
+    for data in loaded(*names):
+        rows = data["rows"]
+        dense = next((r for r in rows + (rows_of(reference) if reference else []) if r["strategy"] == "dense"),
+                     None)
+        for r in rows:
+            hit = r.get("time_to_target_s")
+            links = data["settings"].get("cluster") or data["settings"].get("rate", "-")
+            cells.append([links, r["strategy"],
+                          seconds(hit, "not reached") if "error" not in r else f"failed: {r['error']}",
+                          number(r.get("steps_to_target")),
+                          times(dense["time_to_target_s"] / hit)
+                          if dense and dense.get("time_to_target_s") and hit else "-",
+                          percent(r.get("final_accuracy")), seconds(r.get("step_s")),
+                          number(r.get("MB_sent/step"))])
+    return table(["links", "strategy", "time to 97%", "steps", "vs convoy all-reduce", "best accuracy", "step",
+                  "MB / step / worker"], cells)
+
+
+def render_versus_peer(*names: str, peer: str = "powersgd") -> str:
+    """Rows of time_to_accuracy runs, each against its own run's ``peer`` row: times to 95% and to the
+    target, and the peer's time over each (a peer that never got there within its steps is named)."""
+    cells = []
+    for run, name in enumerate(names, 1):
+        rows = (load(name) or {}).get("rows", [])
+        mine = next((r for r in rows if r["strategy"] == peer), {})
+
+        def ratio(row: dict, key: str) -> str:
+            if row is mine or not row.get(key):
+                return "-"
+            return times(mine[key] / row[key]) if mine.get(key) else "peer not reached"
+        cells += [[*([str(run)] if len(names) > 1 else []), r["strategy"],
+                   seconds(r.get("time_to_0.95_s"), "not reached"), ratio(r, "time_to_0.95_s"),
+                   seconds(r.get("time_to_target_s"), "not reached") if "error" not in r
+                   else f"failed: {r['error']}", ratio(r, "time_to_target_s"),
+                   percent(r.get("final_accuracy")), seconds(r.get("step_s")), number(r.get("MB_sent/step"))]
+                  for r in rows]
+    return table([*(["run"] if len(names) > 1 else []), "strategy", "time to 95%", f"vs {peer}",
+                  "time to 97%", f"vs {peer}", "best accuracy", "step", "MB / step / worker"], cells)
+
+
+def render_ps_steps(*names: str, versus: str = "graph step", sent: str = "MB sent / step / rank") -> str:
+    """Step time of colocated servers against convoy's ring all-reduce and against the ps-colocated row
+    (graph priority, equal shares) of the same run; ``sent`` heads the bytes column (results measured
+    before the metrics counted a colocated rank's server hold its pushes only)."""
+    cells = []
+    for data in loaded(*names):
+        steps = {r["strategy"]: r.get("step_s") for r in data["rows"]}
+        for r in data["rows"]:
+            step = r.get("step_s")
+            cells.append([data["settings"]["model"], r["strategy"], seconds(step),
+                          times(step / steps["dense"]) if step and steps.get("dense") else "-",
+                          times(step / steps["ps-colocated"]) if step and steps.get("ps-colocated") else "-",
+                          number(r.get("MB_sent/step"))])
+    return table(["model", "strategy", "step", "step / all-reduce step", f"step / {versus}", sent], cells)
+
+
+TTA = ("python bench/time_to_accuracy.py --model vgg_fc --lr 0.02 --batch-size 16 --steps 400 "
+       "--eval-every 25 --warmup-steps 20 --rate 100mbit")
+PS_COLOCATED = ("time_to_accuracy_vgg_fc_100mbit_ps", "time_to_accuracy_resnet18_100mbit_ps")
+VERSUS_POWERSGD = ("DDP + torch's PowerSGD hook (rank 2) in the same run (powersgd; the ratios are its time over each "
+                   "row's)")
+RESNET18_RUNS = ("time_to_accuracy_resnet18_100mbit_vs_ddp_powersgd",
+                 "time_to_accuracy_resnet18_100mbit_vs_ddp_powersgd_fp16",
+                 "time_to_accuracy_resnet18_100mbit_vs_ddp_powersgd_fp16_fresh_clone",
+                 "time_to_accuracy_resnet18_100mbit_vs_ddp_powersgd_blocktopk_l2")
+
+BLOCKS = (
+    Block("engine_vs_ddp_cluster", "Engine against torch DDP, 4 emulated hosts",
+          ("engine_vs_ddp_cluster_1gbit", "engine_vs_ddp_cluster_100mbit"), "torch DDP", render_engine_vs_ddp_cluster,
+          rerun="python bench/time_to_accuracy.py --strategies dense ddp --rate 1gbit|100mbit", emulated=True),
+    Block("tta_vgg_fc_100mbit", "Time to 97%: compressors, vgg_fc, 4 hosts at 100 Mbit",
+          ("time_to_accuracy_vgg_fc_100mbit", "time_to_accuracy_vgg_fc_100mbit_powersgd"),
+          "torch DDP and DDP + PowerSGD (rank 2), same data order",
+          partial(render_time_to_accuracy, "time_to_accuracy_vgg_fc_100mbit",
+                  "time_to_accuracy_vgg_fc_100mbit_powersgd", reference="time_to_accuracy_vgg_fc_100mbit"),
+          rerun=f"{TTA} (PowerSGD again with --tag powersgd --strategies powersgd)", emulated=True),
+    Block("tta_vgg_fc_100mbit_sparse", "Time to 97%: sparse blocktopk 1% with DGC's corrections",
+          ("time_to_accuracy_vgg_fc_100mbit_sparse",), "DDP + PowerSGD (rank 2); dense from the 100 Mbit run above",
+          partial(render_time_to_accuracy, "time_to_accuracy_vgg_fc_100mbit_sparse",
+                  reference="time_to_accuracy_vgg_fc_100mbit"),
+          rerun="python bench/time_to_accuracy.py --hosts 4 --rate 100mbit --model vgg_fc --target 0.97 "
+                "--strategies powersgd blocktopk --tag sparse", emulated=True),
+    Block("tta_vgg_fc_100mbit_powersgd_engine", "Time to 95% and 97%: convoy's compressors against DDP + PowerSGD",
+          ("time_to_accuracy_vgg_fc_100mbit_vs_ddp_powersgd",), VERSUS_POWERSGD,
+          partial(render_versus_peer, "time_to_accuracy_vgg_fc_100mbit_vs_ddp_powersgd"),
+          rerun="python bench/time_to_accuracy.py --hosts 4 --rate 100mbit --model vgg_fc --target 0.97 "
+                "--tag vs_ddp_powersgd --strategies powersgd convoy-powersgd blocktopk", emulated=True),
+    Block("tta_resnet18_100mbit_peer", "Time to 95% and 97%: resnet18, convoy's compressors against DDP + PowerSGD",
+          RESNET18_RUNS,
+          "DDP + torch's PowerSGD hook (rank 2), in each run (the ratios are its time in that run over each row's)",
+          partial(render_versus_peer, *RESNET18_RUNS),
+          rerun="python bench/time_to_accuracy.py --hosts 4 --rate 100mbit --model resnet18 --target 0.97 "
+                "--eval-every 25 --tag vs_ddp_powersgd --strategies powersgd convoy-powersgd blocktopk fp16 (run 1); "
+                "--tag vs_ddp_powersgd_fp16 --strategies powersgd fp16 (run 2); --tag "
+                "vs_ddp_powersgd_fp16_fresh_clone --strategies powersgd fp16 (run 3, a fresh clone); without "
+                "--eval-every (20), --tag vs_ddp_powersgd_blocktopk_l2 --strategies powersgd blocktopk (run 4, "
+                "blocktopk scoring blocks by L2)", emulated=True),
+    Block("tta_vgg_fc_1gbit_peer", "Time to 95% and 97% at 1 Gbit: vgg_fc, convoy against DDP + PowerSGD",
+          ("time_to_accuracy_vgg_fc_1gbit",), VERSUS_POWERSGD,
+          partial(render_versus_peer, "time_to_accuracy_vgg_fc_1gbit"),
+          rerun="python bench/time_to_accuracy.py --hosts 4 --rate 1gbit --model vgg_fc --target 0.97 --strategies "
+                "powersgd convoy-powersgd blocktopk dense", emulated=True),
+    Block("tta_resnet18_1gbit_peer", "Time to 95% and 97% at 1 Gbit: resnet18, convoy against DDP + PowerSGD",
+          ("time_to_accuracy_resnet18_1gbit",), VERSUS_POWERSGD,
+          partial(render_versus_peer, "time_to_accuracy_resnet18_1gbit"),
+          rerun="python bench/time_to_accuracy.py --hosts 4 --rate 1gbit --model resnet18 --target 0.97 "
+                "--eval-every 25 --strategies powersgd convoy-powersgd blocktopk fp16", emulated=True),
+    Block("tta_vgg_fc_straggler", "Time to 97%: vgg_fc, 4 hosts at 100 Mbit, one at a quarter of the others' speed",
+          ("time_to_accuracy_vgg_fc_straggler",), "convoy's all-reduce (dense) in the same run; ps-colocated-s2 is "
+          "--staleness 2", partial(render_time_to_accuracy, "time_to_accuracy_vgg_fc_straggler"),
+          rerun="python bench/time_to_accuracy.py --model vgg_fc --target 0.97 --cluster bench/straggler.toml "
+                "--strategies dense ps-colocated ps-colocated-s2", emulated=True),
+    Block("tta_vgg_fc_slow_link", "Time to 97%: vgg_fc, 3 hosts at 200 Mbit and one at 50 Mbit",
+          ("time_to_accuracy_vgg_fc_slow_link",), "convoy's all-reduce (dense) in the same run; "
+          "ps-colocated-by-link is --shard-weights from the links",
+          partial(render_time_to_accuracy, "time_to_accuracy_vgg_fc_slow_link"),
+          rerun="python bench/time_to_accuracy.py --model vgg_fc --target 0.97 --cluster bench/slow_link.toml "
+                "--strategies dense ps-colocated-by-link", emulated=True),
+    Block("ps_slow_link_steps", "Colocated servers' step with one host on a slower link",
+          ("time_to_accuracy_vgg_fc_slow_link_steps",),
+          "convoy's ring all-reduce (dense) and the servers on equal shares (ps-colocated), in the same run",
+          partial(render_ps_steps, "time_to_accuracy_vgg_fc_slow_link_steps", versus="equal shares' step",
+                  sent="MB sent / step / rank (ps: its pushes only)"),
+          rerun="python bench/time_to_accuracy.py --model vgg_fc --steps 13 --eval-every 13 --target 0.999 "
+                "--cluster bench/slow_link.toml --tag steps --strategies dense ps-colocated ps-colocated-by-link "
+                "ps-colocated-s2-by-link", emulated=True),
+    Block("tta_lenet_100mbit", "Time to 97%: lenet, 4 hosts at 100 Mbit", ("time_to_accuracy_lenet_100mbit",),
+          "torch DDP and DDP + PowerSGD", partial(render_time_to_accuracy, "time_to_accuracy_lenet_100mbit"),
+          rerun="python bench/time_to_accuracy.py --model lenet --lr 0.05 --batch-size 32 --steps 600 "
+                "--eval-every 20 --rate 100mbit", emulated=True),
+    Block("tta_vgg_fc_hybrid", "Time to 97%: hybrid, vgg_fc, 4 hosts at 100 Mbit and on loopback",
+          ("time_to_accuracy_vgg_fc_100mbit_hybrid", "time_to_accuracy_vgg_fc_loopback"),
+          "convoy data-parallel all-reduce (at 100 Mbit: its row in the compressors' run)",
+          partial(render_time_to_accuracy, "time_to_accuracy_vgg_fc_100mbit_hybrid", "time_to_accuracy_vgg_fc_loopback",
+                  reference="time_to_accuracy_vgg_fc_100mbit"),
+          rerun=f"{TTA.replace(' --warmup-steps 20', '')} --tag hybrid --strategies hybrid-3+1 hybrid-2+2; "
+                "--rate loopback for 4 local processes", emulated=True),
+    Block("ps_colocated", "Colocated parameter servers: step time, 4 hosts at 100 Mbit", PS_COLOCATED,
+          "convoy's ring all-reduce (dense) and the same servers in arrival order (ps-colocated-fifo)",
+          partial(render_ps_steps, *PS_COLOCATED),
+          rerun="python bench/time_to_accuracy.py --hosts 4 --rate 100mbit --model vgg_fc --steps 60 --eval-every 30 "
+                "--target 0.999 --strategies dense ps-colocated ps-colocated-fifo --tag ps; the same with --model "
+                "resnet18 --steps 20 --eval-every 20 --strategies ps-colocated ps-colocated-fifo", emulated=True),
+)
 
 
 if __name__ == "__main__":

@@ -53,11 +53,13 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, save  # noqa: E402
+from bench.figures import Block, load, number, percent, seconds, table, times  # noqa: E402
 from bench.time_to_accuracy import PEER, STRATEGIES, strategy_command  # noqa: E402
 from convoy.emulation import EmulatedCluster, Topology, parse_rate  # noqa: E402
 from convoy.emulation.agents import agent_command, agent_environment  # noqa: E402
@@ -415,6 +417,52 @@ def main() -> None:
     plot(rows, RESULTS / f"{name}.png", args.target, title=f"{args.model}, {args.hosts} emulated hosts at {args.rate}, "
          f"each with {len(os.sched_getaffinity(0)) / args.hosts:g} cores; dashed: a host killed every "
          f"{args.kill_every} steps")
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_train_through_failures(name: str) -> str:
+    """Each run: times to the two levels, what its failures cost against the same strategy's run without
+    them (its time over that one's), work re-done, time down."""
+    data = load(name) or {}
+    settings, rows = data.get("settings", {}), data.get("rows", [])
+    also, target = f"time_to_{settings.get('also_target', 0.95):g}_s", settings.get("target", 0.97)
+    calm = {r["strategy"]: r for r in rows if r["failures"] == "none"}
+
+    def cost(row: dict, key: str) -> str:
+        base = calm.get(row["strategy"], {}).get(key)
+        if row["failures"] == "none" or not row.get(key):
+            return "-"
+        return times(row[key] / base) if base else "not reached without failures"
+    cells = []
+    for r in rows:
+        job = "DDP + DCP, torchrun restarts" if r.get("peer") else "convoy, elastic"
+        failures = "none" if r["failures"] == "none" else \
+            f"a host {r['failures']} steps ({r.get('kills', 0)} killed)"
+        if "error" in r:
+            cells.append([r["strategy"], job, failures, f"failed: {r['error']}", *["-"] * 9])
+            continue
+        cells.append([r["strategy"], job, failures, seconds(r.get(also), "not reached"), cost(r, also),
+                      seconds(r.get("time_to_target_s"), "not reached"), cost(r, "time_to_target_s"),
+                      number(r.get("steps_redone")), number(r.get("restarts")),
+                      f"{seconds(r['down_s'])} ({seconds(r['down_s'] / r['kills'])} each)" if r.get("kills")
+                      else "-",
+                      percent(r.get("final_accuracy")), number(r.get("hosts_at_end")),
+                      "yes" if r.get("clean_exit") else "no"])
+    return table(["strategy", "job", "failures", f"time to {settings.get('also_target', 0.95):.0%}",
+                  "vs no failures", f"time to {target:.0%}", "vs no failures", "steps re-done", "restarts",
+                  "time down", "final accuracy", "hosts at the end", "clean exit"], cells)
+
+
+BLOCKS = (
+    Block("train_through_failures", "Training through failures: vgg_fc, 4 hosts at 100 Mbit, a host killed every "
+          "80 steps", ("train_through_failures_vgg_fc_100mbit",),
+          "torch DDP + torch's PowerSGD hook (rank 2) with a DCP checkpoint every 20 steps, restarted by torchrun "
+          "on the full world (the lost host replaced at once), in the same run; and each strategy without failures",
+          partial(render_train_through_failures, "train_through_failures_vgg_fc_100mbit"),
+          rerun="flock /tmp/convoy-netns.lock python bench/train_through_failures.py --model vgg_fc --kill-every 80",
+          emulated=True),
+)
 
 
 if __name__ == "__main__":

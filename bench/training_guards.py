@@ -30,6 +30,7 @@ from torch.utils.benchmark import Timer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import save, spawn  # noqa: E402
+from bench.figures import Block, number, rows_of, table  # noqa: E402
 from bench.engine_vs_ddp import _batch, _model, _timed  # noqa: E402
 from convoy.engine import Engine  # noqa: E402
 from convoy.engine.gradients import GradientGate, check_finite  # noqa: E402
@@ -99,6 +100,20 @@ def _check_s(name: str) -> float:
     grad = torch.randn(sum(p.numel() for p in _model(name, 1).parameters()))
     return Timer("check_finite(grad, 0, 'all')", globals={"grad": grad, "check_finite": check_finite}
                  ).blocked_autorange(min_run_time=0.5).median
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_training_guards() -> str:
+    rows = rows_of("training_guards")
+    return table(["model", "mode", "step", "vs plain"],
+                 [[r["model"], r["mode"], f"{r['step_ms']:.3g} ms", number(r["vs_plain"])] for r in rows])
+
+
+BLOCKS = (
+    Block("training_guards", "What the training guards cost", ("training_guards",),
+          "the plain engine in the same run", render_training_guards, rerun="python bench/training_guards.py"),
+)
 
 
 if __name__ == "__main__":

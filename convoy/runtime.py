@@ -33,6 +33,8 @@ BIND_STORE_ENV = "CONVOY_BIND_STORE"
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 _NONCE_KEY = "convoy/nonce"
 _POLL_S = 0.05
+# Seconds start-up and every collective wait for a peer before the job fails, unless given.
+DEFAULT_TIMEOUT_S = 300.0
 
 @dataclass(frozen=True)
 class Context:
@@ -50,7 +52,7 @@ def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE"))
 
 
-def init(backend: str | None = None, timeout_s: float = 300.0) -> Context:
+def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Context:
     """Initialise the default process group from RANK, WORLD_SIZE, MASTER_ADDR/PORT.
 
     Without those variables this is a world of one (no process group is made).

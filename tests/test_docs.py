@@ -1,10 +1,12 @@
-"""What README.md and docs/ name exists: every test file they point at, every flag they show.
+"""What README.md and docs/ name exists: every test file they point at, every flag they show, every
+class and function of convoy they name.
 
-A page that names a moved test or a renamed flag teaches what no longer runs.
+A page that names a moved test, a renamed flag or a class that is gone teaches what no longer runs.
 """
 from __future__ import annotations
 
 import argparse
+import builtins
 import re
 from pathlib import Path
 
@@ -14,6 +16,9 @@ from convoy.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Classes the pages show in `code` that are torch's, not convoy's (Python's own are known by builtins).
+FOREIGN_NAMES = {"DistributedDataParallel", "DynamicRendezvousHandler", "Dataset", "Flatten", "Future",
+                 "HierarchicalModelAverager", "Linear", "Parameter", "ParallelDims", "PowerSGDState"}
 # Flags the pages show that belong to other programs, or to a mistake shown on purpose.
 FOREIGN_FLAGS = {
     "--logdir": "tensorboard's",
@@ -54,3 +59,20 @@ def test_every_flag_the_pages_name_exists():
     known = _flags(build_parser()) | _flags(get_args_parser()) | _script_flags() | set(FOREIGN_FLAGS)
     unknown = {flag: pages for flag, pages in _named(r"(?<![\w-])(--[a-z][a-z0-9-]*)").items() if flag not in known}
     assert not unknown
+
+
+def _defined_in_convoy() -> set[str]:
+    """Every class, function, method and module-level name defined in convoy/."""
+    names: set[str] = set()
+    for path in (ROOT / "convoy").rglob("*.py"):
+        text = path.read_text()
+        names |= set(re.findall(r"^\s*(?:class|def) (\w+)", text, re.M)) | set(re.findall(r"^(\w+)\s*[:=]", text, re.M))
+    return names
+
+
+def test_every_class_the_pages_name_exists():
+    # A CamelCase name in `code` (alone, dotted after convoy's modules, or with a method): a class of convoy's.
+    named = _named(r"`(?:convoy\.[\w.]*\.)?([A-Z][a-z]+[A-Z]?\w*)(?:\.\w+)?(?:\(\))?`")
+    known = _defined_in_convoy() | FOREIGN_NAMES | set(dir(builtins))
+    missing = {name: pages for name, pages in named.items() if name not in known}
+    assert not missing

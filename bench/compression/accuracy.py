@@ -18,6 +18,7 @@ import tempfile
 from typing import Any
 
 from bench.common import RESULTS, save, spawn
+from bench.figures import Block, number, rows_of, table, times
 from bench.compression.plot import bars
 from bench.peers.ddp_train import train_ddp
 from convoy.train.config import TrainConfig
@@ -101,6 +102,22 @@ def main() -> None:
          ["method", "test_accuracy_%", "vs dense (points)", "kB_sent/step", "ratio", "wall_s"])
     bars("compression_accuracy", rows, "method", ["test_accuracy_%"], "test accuracy (%)",
          f"digits, {args.model}, N={args.world}, {args.steps} steps")
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_compression_accuracy() -> str:
+    rows = rows_of("compression_accuracy")
+    return table(["method", "test accuracy", "vs dense (points)", "kB sent / step", "fewer bytes than dense"],
+                 [[r["method"], f"{r['test_accuracy_%']:.2f}%", f"{r['vs dense (points)']:+.1f}",
+                   number(r["kB_sent/step"]), times(r["ratio"])] for r in rows])
+
+
+BLOCKS = (
+    Block("compression_accuracy", "Accuracy of the compressors, lenet, 4 workers", ("compression_accuracy",),
+          "torch DDP with torch's PowerSGD hook", render_compression_accuracy,
+          rerun="python -m bench.compression.accuracy"),
+)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from bench.common import save
+from bench.figures import Block, rows_of, seconds, table, times
 from bench.compression.plot import bars
 from convoy.compress import BlockLayout
 from convoy.compress.rle import encode
@@ -113,6 +114,24 @@ def main() -> None:
     save("compression_selection", {**vars(args), "threads": 1, "note": "shared 2-core machine"}, rows, columns)
     bars("compression_selection", rows, "model", ["blocktopk_s", "blocktopk_encode_s", "topk_s", "sum_s"],
          "seconds per step (one thread)", "Selection cost per step, all layers", log=True)
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_compression_selection() -> str:
+    rows = rows_of("compression_selection")
+    return table(["shapes", "values", "blocktopk L1", "blocktopk L2", "+ run-length coding", "torch.topk",
+                  "torch.sum (one read)", "topk / blocktopk", "blocktopk / sum"],
+                 [[r["model"], f"{r['values_M']:.3g} M", seconds(r["blocktopk_s"]), seconds(r["blocktopk_l2_s"]),
+                   seconds(r["blocktopk_encode_s"]), seconds(r["topk_s"]), seconds(r["sum_s"]),
+                   times(r["topk/blocktopk"]), times(r["blocktopk/sum"])] for r in rows])
+
+
+BLOCKS = (
+    Block("compression_selection", "Block selection against torch.topk", ("compression_selection",),
+          "torch.topk at the same number of elements", render_compression_selection,
+          rerun="python -m bench.compression.selection"),
+)
 
 
 if __name__ == "__main__":

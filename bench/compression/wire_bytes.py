@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench.common import save, spawn
+from bench.figures import Block, rows_of, table
 from bench.compression.plot import bars
 from convoy.compress import build_compressor
 from convoy.engine import Engine
@@ -74,6 +75,30 @@ def main() -> None:
         row[row["compressor"]] = row["ratio"]
     bars("compression_wire_bytes", rows, "setting", [label for label, _, _ in COMPRESSORS],
          "dense bytes / compressed bytes", "Compression ratio on the wire (per worker, per step)", log=True)
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_compression_wire_bytes() -> str:
+    rows = rows_of("compression_wire_bytes")
+    compressors = list(dict.fromkeys(r["compressor"] for r in rows))
+    settings = list(dict.fromkeys((r["model"], r["world"]) for r in rows))
+    cell = {(r["model"], r["world"], r["compressor"]): r for r in rows}
+
+    def show(model: str, world: int, name: str) -> str:
+        r = cell.get((model, world, name))
+        if r is None:
+            return "-"
+        return f"{r['kB_sent/step'] / 1000:.3g} MB" if r["ratio"] == 1 else f"{r['ratio']:.0f}x"
+    return table(["model, workers", *compressors],
+                 [[f"{m}, {w}", *(show(m, w, c) for c in compressors)] for m, w in settings])
+
+
+BLOCKS = (
+    Block("compression_wire_bytes", "Bytes each worker sends per step", ("compression_wire_bytes",),
+          "dense fp32 all-reduce (first column; the others are how many times fewer bytes)",
+          render_compression_wire_bytes, rerun="python -m bench.compression.wire_bytes"),
+)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,11 @@ Examples:
   convoy plan cluster.toml --model resnet18 --batch-size 16 --steps-to-target steps.json
 """
 
+# The per-node torchrun commands: node 0's port (torchrun's own default), and the address that stands
+# for node 0's until the user gives it.
+DEFAULT_MASTER_PORT = 29500
+PLACEHOLDER_HOST = "HOST0"
+
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("plan", help="rank strategies for a cluster and print the command for each",
@@ -83,9 +88,9 @@ def add_parser(subparsers: Any) -> None:
                    help="measured steps to a target accuracy per strategy (JSON, see below): rank by predicted "
                         "time to that accuracy instead of samples per second")
     p.add_argument("--master-addr", metavar="HOST", help="node 0's address in the per-node torchrun commands "
-                   "(default: node 0's host in a profile-nodes JSON, else the placeholder HOST0)")
-    p.add_argument("--master-port", metavar="PORT", type=int, default=29500,
-                   help="the port node 0 listens on for the others (default: 29500)")
+                   f"(default: node 0's host in a profile-nodes JSON, else the placeholder {PLACEHOLDER_HOST})")
+    p.add_argument("--master-port", metavar="PORT", type=int, default=DEFAULT_MASTER_PORT,
+                   help="the port node 0 listens on for the others (default: %(default)s)")
     p.set_defaults(func=run)
 
 
@@ -136,7 +141,7 @@ def command(strategy: Strategy, nodes: int, model: str, batch_size: int, extra: 
 
 
 def node_commands(strategy: Strategy, nodes: int, model: str, batch_size: int, extra: Sequence[str] = (),
-                  master_addr: str = "HOST0", master_port: int = 29500) -> list[str]:
+                  master_addr: str = PLACEHOLDER_HOST, master_port: int = DEFAULT_MASTER_PORT) -> list[str]:
     """One torchrun line per machine that runs ``strategy`` across ``nodes`` machines, a process each.
 
     Node i runs the i-th line; node 0 listens at ``master_addr:master_port``.
@@ -159,7 +164,7 @@ def _train_args(strategy: Strategy, model: str, batch_size: int, extra: Sequence
 
 def rank(profile: ModelProfile, cluster: Cluster, strategies: list[Strategy], known: set[str],
          choices: dict[str, tuple[str, ...]], convergence: Convergence | None = None,
-         master_addr: str = "HOST0", master_port: int = 29500) -> list[dict]:
+         master_addr: str = PLACEHOLDER_HOST, master_port: int = DEFAULT_MASTER_PORT) -> list[dict]:
     """Predict every strategy; the best available first, unavailable ones after.
 
     Best is the most samples per second, or with ``convergence`` (measured steps
@@ -245,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
         strategies.update({s.label: s for s in convergence.strategies(cluster.nodes, costs)
                            if s.label not in strategies})
     strategies.update({s.label: s for s in peers(costs) if s.label not in strategies})
-    master_addr = args.master_addr or _node0_host(args.cluster) or "HOST0"
+    master_addr = args.master_addr or _node0_host(args.cluster) or PLACEHOLDER_HOST
     rows = rank(profile, cluster, list(strategies.values()), train_flags(), train_choices(),
                 convergence, master_addr, args.master_port)
     if args.json:
@@ -261,8 +266,8 @@ def run(args: argparse.Namespace) -> int:
     if line:
         print(f"\n{line[0].upper()}{line[1:]}.")
     if cluster.nodes > 1 and rows[0]["available"] and not rows[0]["peer"]:
-        where = "HOST0: node 0's address, reachable from the others" if master_addr == "HOST0" else \
-            f"node 0 is {master_addr}"
+        where = f"node 0 is {master_addr}" if master_addr != PLACEHOLDER_HOST else \
+            f"{PLACEHOLDER_HOST}: node 0's address, reachable from the others"
         print(f"\nThe first row on {cluster.nodes} machines, one process each ({where}); run line i on node i:")
         for line in rows[0]["node_commands"]:
             print(f"  {line}")

@@ -9,8 +9,9 @@ from typing import NoReturn
 
 from convoy.cli.errors import run_and_exit
 from convoy.cli.launch import run_ranks
-from convoy.cluster import (INDICATORS, SERVER_CHOICES, ClusterPlan, load_profile_file, parse_clusters,
-                            parse_weights, plan_job)
+from convoy.cluster import (DEFAULT_CLUSTERS, DEFAULT_REELECT_EVERY, DEFAULT_SERVER_CHOICE, DEFAULT_WEIGHTS,
+                            INDICATORS, SERVER_CHOICES, ClusterPlan, load_profile_file, parse_clusters, parse_weights,
+                            plan_job)
 from convoy.cluster.options import check_cluster_options
 from convoy.errors import UsageError
 from convoy.runtime import launched_by_torchrun
@@ -32,12 +33,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "default: 2)")
     parser.add_argument("--node-profile", metavar="FILE", help="TOML file of indicators overriding the "
                         "measured ones ([all], [hosts.NAME], [ranks.N] tables)")
-    parser.add_argument("--clusters", default="auto", help="number of clusters K, or auto (default: auto)")
+    parser.add_argument("--clusters", default=DEFAULT_CLUSTERS, help="number of clusters K, or auto (default: "
+                        "%(default)s)")
     parser.add_argument("--indicator-weights", help="name=value pairs or six numbers (default: "
-                        "1,0.5,1,0.5,0.5,2 for " + ",".join(INDICATORS) + ")")
-    parser.add_argument("--server-choice", default="random", choices=SERVER_CHOICES,
-                        help="how each cluster's server is elected (default: random)")
-    parser.add_argument("--reelect-every", type=int, default=4, help="exchange cycles per election (default: 4)")
+                        + ",".join(f"{DEFAULT_WEIGHTS[name]:g}" for name in INDICATORS) + " for "
+                        + ",".join(INDICATORS) + ")")
+    parser.add_argument("--server-choice", default=DEFAULT_SERVER_CHOICE, choices=SERVER_CHOICES,
+                        help="how each cluster's server is elected (default: %(default)s)")
+    parser.add_argument("--reelect-every", type=int, default=DEFAULT_REELECT_EVERY,
+                        help="exchange cycles per election (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of k-means and the election (default: 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=run)

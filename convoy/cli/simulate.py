@@ -2,17 +2,24 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
 from convoy.cli.sim_args import add_model_args, resolve_profile
+from convoy.compress import (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCKS_PER_LAYER, DEFAULT_ELEMENT_FRACTION,
+                             DEFAULT_POWERSGD_RANK, DEFAULT_SELECTION, SELECTIONS)
 from convoy.emulation.topology import parse_rate
 from convoy.errors import UsageError
-from convoy.ps.settings import DEFAULT_SLICE_KB
+from convoy.ps.settings import DEFAULT_PRIORITY, DEFAULT_SLICE_KB, PRIORITY_MODES
 from convoy.sim.catalog import STRATEGY_NAMES, Knobs, build
 from convoy.sim.cluster import Cluster, load_cluster
+from convoy.sim.strategies.hierarchical import SIMULATED_CLUSTERS
 from convoy.sim.table import format_table
-from convoy.train.config import CompressConfig, SyncConfig
+from convoy.sync.hierarchical import DEFAULT_EXCHANGE_EVERY
+
+# The simulated cluster's own defaults (racks, latency, wake-up, lanes) are the Cluster dataclass's.
+_CLUSTER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Cluster)}
 
 DESCRIPTION = """\
 Predict the time of one training step for each synchronisation strategy,
@@ -47,35 +54,43 @@ def add_parser(subparsers: Any) -> None:
                      "profile-nodes --json output; overrides the options below")
     net.add_argument("--nodes", type=int, default=4, help="ranks, one per host (default: 4)")
     net.add_argument("--rate", default="1gbit", help="each host's link, e.g. 100mbit, 10gbit (default: 1gbit)")
-    net.add_argument("--racks", type=int, default=1, help="equal racks (default: 1)")
+    net.add_argument("--racks", type=int, default=_CLUSTER_DEFAULTS["racks"], help="equal racks (default: "
+                     "%(default)s)")
     net.add_argument("--inter-rack-rate", help="rate of the links between racks")
-    net.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency per message (default: 0)")
-    net.add_argument("--wake-ms", type=float, default=0.0, help="a receiver's per-message time, hidden behind "
-                     "longer transfers: about 1-3 ms where busy ranks share cores (default: 0)")
+    net.add_argument("--latency-ms", type=float, default=_CLUSTER_DEFAULTS["latency_s"] * 1e3,
+                     help="one-way latency per message (default: %(default)g)")
+    net.add_argument("--wake-ms", type=float, default=_CLUSTER_DEFAULTS["wake_s"] * 1e3, help="a receiver's "
+                     "per-message time, hidden behind longer transfers: about 1-3 ms where busy ranks share cores "
+                     "(default: %(default)g)")
     net.add_argument("--cores", type=float, help="CPU cores per rank when ranks share cores (0.5 for 4 "
                      "emulated hosts on 2 cores); default: a core per thread")
-    net.add_argument("--lanes", type=int, default=2, help="collectives a process group runs at once: 2 for "
-                     "gloo (its worker threads), 1 for NCCL (one stream) (default: 2)")
+    net.add_argument("--lanes", type=int, default=_CLUSTER_DEFAULTS["lanes"], help="collectives a process group "
+                     "runs at once: 2 for gloo (its worker threads), 1 for NCCL (one stream) (default: %(default)s)")
     s = p.add_argument_group("strategies and their knobs")
     s.add_argument("--strategy", nargs="+", default=list(STRATEGY_NAMES), metavar="NAME",
                    help="strategies to predict (default: all): " + ", ".join(STRATEGY_NAMES))
-    s.add_argument("--element-fraction", type=float, default=CompressConfig.element_fraction,
+    s.add_argument("--element-fraction", type=float, default=DEFAULT_ELEMENT_FRACTION,
                    help="topk, randomk: share sent (default: %(default)s, convoy train's)")
-    s.add_argument("--blocks-per-layer", type=int, help="blocktopk: blocks per parameter (default: 1)")
+    s.add_argument("--blocks-per-layer", type=int, help="blocktopk: blocks per parameter (default: "
+                   f"{DEFAULT_BLOCKS_PER_LAYER})")
     s.add_argument("--block-fraction", type=float, help="blocktopk: share of blocks kept")
-    s.add_argument("--block-selection", default="local", choices=("local", "global"), help="blocktopk (default: local)")
-    s.add_argument("--clusters", type=int, default=2, help="hierarchical: K clusters (default: 2)")
-    s.add_argument("--exchange-every", type=int, default=SyncConfig.exchange_every,
+    s.add_argument("--block-selection", default=DEFAULT_SELECTION, choices=SELECTIONS,
+                   help="blocktopk (default: %(default)s)")
+    s.add_argument("--clusters", type=int, default=SIMULATED_CLUSTERS, help="hierarchical: K clusters (default: "
+                   "%(default)s; convoy train's auto needs the profiled nodes)")
+    s.add_argument("--exchange-every", type=int, default=DEFAULT_EXCHANGE_EVERY,
                    help="hierarchical: T steps per cycle (default: %(default)s, convoy train's)")
-    s.add_argument("--servers", type=int, default=1, help="ps: S server ranks (default: 1)")
-    s.add_argument("--priority", default="graph", choices=("graph", "fifo"), help="ps (default: graph)")
+    s.add_argument("--servers", type=int, default=Knobs.servers, help="ps: S dedicated server ranks (default: "
+                   "%(default)s; the simulator has no model of convoy train's colocated servers)")
+    s.add_argument("--priority", default=DEFAULT_PRIORITY, choices=PRIORITY_MODES, help="ps (default: %(default)s; "
+                   "timed is predicted as graph)")
     s.add_argument("--slice-kb", type=float, default=DEFAULT_SLICE_KB,
                    help="ps: slice size, 0 for whole layers (default: %(default)g, convoy train's)")
     s.add_argument("--conv-workers", type=int, help="hybrid: I (default: nodes - J)")
     s.add_argument("--fc-workers", type=int, help="hybrid: J (default: nodes / 4, at least 1)")
-    s.add_argument("--block-size", type=int, default=CompressConfig.block_size, help="blocktopk: elements per "
+    s.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="blocktopk: elements per "
                    "block (default: %(default)s, convoy train's)")
-    s.add_argument("--powersgd-rank", type=int, default=CompressConfig.powersgd_rank, help="powersgd (the DDP "
+    s.add_argument("--powersgd-rank", type=int, default=DEFAULT_POWERSGD_RANK, help="powersgd (the DDP "
                    "peer's hook) and convoy-powersgd: matrix rank (default: %(default)s, convoy train's)")
     p.set_defaults(func=run)
 

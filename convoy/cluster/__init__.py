@@ -11,15 +11,17 @@ The pieces, one idea per module:
 - :mod:`~convoy.cluster.contribution`: the weights of the inter-cluster exchange.
 - :mod:`~convoy.cluster.plan`: all of it on rank 0, broadcast so every rank agrees.
 """
-from convoy.cluster.clustering import cluster_vectors, parse_clusters
+from convoy.cluster.clustering import DEFAULT_CLUSTERS, cluster_vectors, parse_clusters
 from convoy.cluster.contribution import ContributionHistory
-from convoy.cluster.election import CHOICES as SERVER_CHOICES, Election
+from convoy.cluster.election import CHOICES as SERVER_CHOICES, DEFAULT_CHOICE as DEFAULT_SERVER_CHOICE, Election
+from convoy.cluster.election import DEFAULT_EVERY as DEFAULT_REELECT_EVERY
 from convoy.cluster.indicators import DEFAULT_WEIGHTS, INDICATORS, parse_weights
 from convoy.cluster.normalise import IndicatorHistory
 from convoy.cluster.plan import ClusterPlan, make_plan, plan_job
 from convoy.cluster.profile import NodeProfile
 from convoy.cluster.profile_file import ProfileOverrides, load_profile_file
 
-__all__ = ["DEFAULT_WEIGHTS", "INDICATORS", "SERVER_CHOICES", "ClusterPlan", "ContributionHistory", "Election",
-           "IndicatorHistory", "NodeProfile", "ProfileOverrides", "cluster_vectors", "load_profile_file", "make_plan",
-           "parse_clusters", "parse_weights", "plan_job"]
+__all__ = ["DEFAULT_CLUSTERS", "DEFAULT_REELECT_EVERY", "DEFAULT_SERVER_CHOICE", "DEFAULT_WEIGHTS", "INDICATORS",
+           "SERVER_CHOICES", "ClusterPlan", "ContributionHistory", "Election", "IndicatorHistory", "NodeProfile",
+           "ProfileOverrides", "cluster_vectors", "load_profile_file", "make_plan", "parse_clusters", "parse_weights",
+           "plan_job"]

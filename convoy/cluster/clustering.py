@@ -8,6 +8,7 @@ import numpy as np
 from convoy.errors import UsageError
 
 AUTO_MAX_CLUSTERS = 8
+DEFAULT_CLUSTERS = "auto"   # K chosen by silhouette unless given
 
 
 def cluster_vectors(vectors: np.ndarray, clusters: int | str, seed: int = 0) -> list[list[int]]:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import numpy as np
 
 CHOICES = ("random", "capable")
+DEFAULT_CHOICE = "random"
+DEFAULT_EVERY = 4   # R, exchange cycles one election lasts, unless given
 
 
 @dataclass(frozen=True)
@@ -30,9 +32,9 @@ class Election:
     """
 
     clusters: list[list[int]]
-    every: int = 1
+    every: int = DEFAULT_EVERY
     seed: int = 0
-    choice: str = "random"
+    choice: str = DEFAULT_CHOICE
     capability: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:

@@ -7,8 +7,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from convoy.cluster.clustering import cluster_vectors
-from convoy.cluster.election import Election
+from convoy.cluster.clustering import DEFAULT_CLUSTERS, cluster_vectors
+from convoy.cluster.election import DEFAULT_CHOICE, DEFAULT_EVERY, Election
 from convoy.cluster.indicators import INDICATORS
 from convoy.cluster.normalise import IndicatorHistory
 from convoy.cluster.profile import NodeProfile, profile_job
@@ -136,8 +136,9 @@ def clusters_from_tensors(tensors: dict[str, torch.Tensor]) -> tuple[list[list[i
     return clusters, dict(zip(members, tensors["capability"].tolist()))
 
 
-def make_plan(profiles: list[NodeProfile], weights: dict[str, float], clusters: int | str = "auto",
-              seed: int = 0, reelect_every: int = 1, server_choice: str = "random") -> ClusterPlan:
+def make_plan(profiles: list[NodeProfile], weights: dict[str, float], clusters: int | str = DEFAULT_CLUSTERS,
+              seed: int = 0, reelect_every: int = DEFAULT_EVERY,
+              server_choice: str = DEFAULT_CHOICE) -> ClusterPlan:
     """Normalise, weight, cluster and set up the election; the same inputs give the same plan.
 
     When the clusters k-means finds differ by no more than the measurements' own
@@ -177,8 +178,8 @@ def make_plan(profiles: list[NodeProfile], weights: dict[str, float], clusters: 
     return ClusterPlan(profiles, dict(weights), normalised, groups, election, history, noise_note=note)
 
 
-def plan_job(weights: dict[str, float], clusters: int | str = "auto", seed: int = 0, reelect_every: int = 1,
-             server_choice: str = "random", overrides: ProfileOverrides | None = None,
+def plan_job(weights: dict[str, float], clusters: int | str = DEFAULT_CLUSTERS, seed: int = 0,
+             reelect_every: int = DEFAULT_EVERY, server_choice: str = DEFAULT_CHOICE, overrides: ProfileOverrides | None = None,
              local_rank: int = 0) -> ClusterPlan:
     """Profile every rank, plan on rank 0, broadcast: every rank returns the same plan; a collective."""
     profiles = profile_job(overrides, local_rank)

@@ -14,8 +14,8 @@ from convoy.compress.registry import (CompressorSpec, build_compressor, compress
 # The compressors, imported in the order their names are listed (registration order).
 from convoy.compress.identity import IdentityCompressor
 from convoy.compress.fp16 import FP16Compressor
-from convoy.compress.blocktopk import (DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, DEFAULT_METRIC, SELECTIONS,
-                                      BlockTopKCompressor)
+from convoy.compress.blocktopk import (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCKS_PER_LAYER, DEFAULT_DENSE_BELOW,
+                                      DEFAULT_METRIC, DEFAULT_SELECTION, SELECTIONS, BlockTopKCompressor)
 from convoy.compress.topk import DEFAULT_ELEMENT_FRACTION, TopKCompressor
 from convoy.compress.randomk import RandomKCompressor
 from convoy.compress.powersgd import DEFAULT_RANK as DEFAULT_POWERSGD_RANK
@@ -25,9 +25,10 @@ from convoy.compress.blocks import METRICS, BlockLayout
 from convoy.compress.momentum import MomentumCorrection
 from convoy.compress.rle import CodecError
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_DENSE_BELOW", "DEFAULT_ELEMENT_FRACTION", "DEFAULT_METRIC",
-           "DEFAULT_POWERSGD_RANK", "METRICS", "SELECTIONS", "BlockLayout", "BlockTopKCompressor", "CodecError",
-           "Compressor", "CompressorSpec", "FP16Compressor", "IdentityCompressor", "LayerInfo", "Memory",
-           "MomentumCorrection", "NoMemory", "Place", "PowerSGDCompressor", "RandomKCompressor", "ResidualMemory",
-           "Support", "TopKCompressor", "build_compressor", "compressor_names", "compressor_spec",
-           "momentum_corrected_names", "register", "sparse_names", "unregister"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_BLOCKS_PER_LAYER", "DEFAULT_DENSE_BELOW", "DEFAULT_ELEMENT_FRACTION",
+           "DEFAULT_METRIC", "DEFAULT_POWERSGD_RANK", "DEFAULT_SELECTION", "METRICS", "SELECTIONS", "BlockLayout",
+           "BlockTopKCompressor", "CodecError", "Compressor", "CompressorSpec", "FP16Compressor",
+           "IdentityCompressor", "LayerInfo", "Memory", "MomentumCorrection", "NoMemory", "Place",
+           "PowerSGDCompressor", "RandomKCompressor", "ResidualMemory", "Support", "TopKCompressor",
+           "build_compressor", "compressor_names", "compressor_spec", "momentum_corrected_names", "register",
+           "sparse_names", "unregister"]

@@ -17,6 +17,10 @@ SELECTIONS = ("local", "global")
 DEFAULT_METRIC = "l2"
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_DENSE_BELOW = 16384
+# Each rank picks its own blocks (global scoring costs an all-reduce of the scores first), and keeps
+# one block per parameter unless told a share.
+DEFAULT_SELECTION = "local"
+DEFAULT_BLOCKS_PER_LAYER = 1
 
 
 class BlockTopKCompressor(Compressor):
@@ -53,12 +57,12 @@ class BlockTopKCompressor(Compressor):
     """
 
     def __init__(self, blocks_per_layer: int | None = None, fraction: float | None = None,
-                 metric: str = DEFAULT_METRIC, selection: str = "local", block_size: int | None = None,
+                 metric: str = DEFAULT_METRIC, selection: str = DEFAULT_SELECTION, block_size: int | None = None,
                  dense_below: int = 0):
         if blocks_per_layer is not None and fraction is not None:
             raise ValueError("give blocks_per_layer or fraction, not both")
         if blocks_per_layer is None and fraction is None:
-            blocks_per_layer = 1
+            blocks_per_layer = DEFAULT_BLOCKS_PER_LAYER
         if blocks_per_layer is not None and blocks_per_layer < 1:
             raise ValueError(f"blocks_per_layer must be >= 1, got {blocks_per_layer}")
         if fraction is not None and not 0.0 < fraction <= 1.0:
@@ -129,7 +133,7 @@ class BlockTopKCompressor(Compressor):
 
 
 def _build(blocks_per_layer: int | None = None, block_fraction: float | None = None,
-           block_metric: str = DEFAULT_METRIC, block_selection: str = "local",
+           block_metric: str = DEFAULT_METRIC, block_selection: str = DEFAULT_SELECTION,
            block_size: int | None = DEFAULT_BLOCK_SIZE, dense_below: int = DEFAULT_DENSE_BELOW,
            ) -> tuple[Compressor, Memory]:
     return (BlockTopKCompressor(blocks_per_layer, block_fraction, block_metric, block_selection, block_size,

@@ -11,6 +11,7 @@ from torch.utils.data import TensorDataset
 from convoy.data.splits import DatasetSplits
 from convoy.data.tensors import normalize
 
+CHANNELS = 1   # grey levels
 IMAGE_SIZE = (32, 32)
 NUM_CLASSES = 10
 _MAX_PIXEL = 16.0
@@ -35,7 +36,7 @@ def load() -> DatasetSplits:
     return DatasetSplits(
         train=TensorDataset(images[train_idx], labels[train_idx]),
         test=TensorDataset(images[test_idx], labels[test_idx]),
-        in_channels=1,
+        in_channels=CHANNELS,
         image_size=IMAGE_SIZE,
         num_classes=NUM_CLASSES,
     )

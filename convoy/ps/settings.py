@@ -10,6 +10,7 @@ from convoy.errors import UsageError
 from convoy.ps.sharding import link_shares
 
 PRIORITY_MODES = ("graph", "timed", "fifo")
+DEFAULT_PRIORITY = "graph"   # the next forward's order, from the traced graph (P3, ByteScheduler)
 COLOCATED = "colocated"   # --servers colocated: every rank serves a shard and trains
 LINKS = "links:"          # --shard-weights links:RATE,...: shares fitted to the ranks' link rates
 
@@ -50,7 +51,7 @@ class PSSettings:
     """
 
     servers: int = 1
-    priority: str = "graph"
+    priority: str = DEFAULT_PRIORITY
     channels: int = DEFAULT_CHANNELS
     slice_bytes: int | None = int(DEFAULT_SLICE_KB * 1024)
     credit_bytes: int | None = int(DEFAULT_CREDIT_KB * 1024)
@@ -65,7 +66,7 @@ class PSSettings:
         return self.credit_bytes is not None
 
     @classmethod
-    def resolve(cls, servers: int | str = 1, priority: str = "graph", channels: int | None = None,
+    def resolve(cls, servers: int | str = 1, priority: str = DEFAULT_PRIORITY, channels: int | None = None,
                 slice_kb: float | None = None, credit_kb: float | None = None,
                 trace_steps: int = 0, staleness: int = 0,
                 shard_weights: str | Sequence[float] | None = None) -> "PSSettings":

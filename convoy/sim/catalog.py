@@ -4,9 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from convoy.errors import UsageError
-from convoy.sim.codec import DEFAULT_BLOCK_SIZE, DEFAULT_ELEMENT_FRACTION, DEFAULT_POWERSGD_RANK, Compression
+from convoy.ps.settings import DEFAULT_PRIORITY, DEFAULT_SLICE_KB
+from convoy.sim.codec import (DEFAULT_BLOCK_SIZE, DEFAULT_ELEMENT_FRACTION, DEFAULT_POWERSGD_RANK, DEFAULT_SELECTION,
+                              Compression)
 from convoy.sim.cpu import CpuCosts
 from convoy.sim.strategies import ClusterCycles, ConvFcSplit, LayerRing, ServerShards, Strategy, TorchDDP
+from convoy.sim.strategies.hierarchical import SIMULATED_CLUSTERS
+from convoy.sync.hierarchical import DEFAULT_EXCHANGE_EVERY
 
 # powersgd is the peer (DDP with torch's hook); convoy-powersgd is convoy's engine with --compress powersgd.
 STRATEGY_NAMES = ("allreduce", "fp16", "randomk", "topk", "blocktopk", "convoy-powersgd", "hierarchical", "ps",
@@ -27,13 +31,13 @@ class Knobs:
     element_fraction: float = DEFAULT_ELEMENT_FRACTION
     blocks_per_layer: int | None = None
     block_fraction: float | None = None
-    block_selection: str = "local"
+    block_selection: str = DEFAULT_SELECTION
     block_size: int | None = DEFAULT_BLOCK_SIZE
-    clusters: int = 2
-    exchange_every: int = 10
-    servers: int = 1
-    priority: str = "graph"
-    slice_kb: float | None = 256
+    clusters: int = SIMULATED_CLUSTERS
+    exchange_every: int = DEFAULT_EXCHANGE_EVERY
+    servers: int = 1   # dedicated servers: the simulator has no model of colocated ones
+    priority: str = DEFAULT_PRIORITY
+    slice_kb: float | None = DEFAULT_SLICE_KB
     conv_workers: int | None = None
     fc_workers: int | None = None
     powersgd_rank: int = DEFAULT_POWERSGD_RANK

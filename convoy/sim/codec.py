@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 
 from convoy.compress import (DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, DEFAULT_ELEMENT_FRACTION, DEFAULT_POWERSGD_RANK,
-                             compressor_spec)
+                             DEFAULT_SELECTION, compressor_spec)
 from convoy.compress.blocks import BlockLayout
 from convoy.compress.powersgd import PowerSGDCompressor
 from convoy.compress.topk import kept_count
@@ -49,7 +49,7 @@ class Compression:
     fraction: float = DEFAULT_ELEMENT_FRACTION
     blocks_per_layer: int | None = None
     block_fraction: float | None = None
-    selection: str = "local"
+    selection: str = DEFAULT_SELECTION
     block_size: int | None = DEFAULT_BLOCK_SIZE
     rank: int = DEFAULT_POWERSGD_RANK
     dense_below: int = DEFAULT_DENSE_BELOW

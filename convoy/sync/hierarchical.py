@@ -33,6 +33,9 @@ from convoy.sync.base import Done, PendingSync, SyncStrategy
 from convoy.sync.cycle import CycleExchange
 from convoy.sync.rows import pack_row, row_extent, sum_rows
 
+# T, batches per exchange cycle, unless told: the clusters' parameters combined every 4th batch.
+DEFAULT_EXCHANGE_EVERY = 4
+
 
 class _PendingStar(PendingSync):
     """A star exchange in flight: done once every receive has completed."""

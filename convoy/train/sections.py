@@ -21,11 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from convoy.compress import (DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, DEFAULT_ELEMENT_FRACTION, DEFAULT_METRIC,
-                             DEFAULT_POWERSGD_RANK, compressor_names, momentum_corrected_names,
-                             sparse_names)
+from convoy.checkpoint.schedule import DEFAULT_BUDGET, DEFAULT_FULL_EVERY
+from convoy.cluster import (DEFAULT_CLUSTERS, DEFAULT_REELECT_EVERY, DEFAULT_SERVER_CHOICE, DEFAULT_WEIGHTS,
+                            INDICATORS)
+from convoy.compress import (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCKS_PER_LAYER, DEFAULT_DENSE_BELOW,
+                             DEFAULT_ELEMENT_FRACTION, DEFAULT_METRIC, DEFAULT_POWERSGD_RANK, DEFAULT_SELECTION,
+                             compressor_names, momentum_corrected_names, sparse_names)
 from convoy.errors import UsageError
-from convoy.ps.settings import DEFAULT_CHANNELS, DEFAULT_CREDIT_KB, DEFAULT_SLICE_KB
+from convoy.ps.settings import DEFAULT_CHANNELS, DEFAULT_CREDIT_KB, DEFAULT_PRIORITY, DEFAULT_SLICE_KB
+from convoy.runtime import DEFAULT_TIMEOUT_S
+from convoy.sync.hierarchical import DEFAULT_EXCHANGE_EVERY
 from convoy.train.checks import (MAX_BATCH_SIZE, MAX_COUNT, MAX_SAMPLE_ELEMENTS, MAX_SEED, MAX_TIMEOUT_S, at_least,
                                  check_fields, check_name, count_or_auto, fraction, max_local_processes, max_threads,
                                  one_of, positive, within)
@@ -156,7 +161,7 @@ class RunConfig:
     logger: tuple[str, ...] = _opt((), "also log metrics to: tensorboard (events file), csv (metrics.csv); "
                                    "repeatable, a list in TOML; rank 0 only")
     threads: int = _opt(1, "torch threads per worker")
-    timeout: float = _opt(300.0, "seconds a collective waits for a peer before the job fails")
+    timeout: float = _opt(DEFAULT_TIMEOUT_S, "seconds a collective waits for a peer before the job fails")
     progress: bool = _opt(True, "show a progress bar on rank 0")
     device: str = _opt("cpu", "cpu (gloo) or cuda (NCCL; each process uses the GPU of its local rank)")
 
@@ -202,17 +207,17 @@ class SyncConfig:
 
     strategy: str = _opt("allreduce", "gradient synchronisation strategy: allreduce, hierarchical or ps",
                          flag="sync")
-    clusters: str = _opt("auto", "hierarchical: number of node clusters K, or auto (the K with the best "
+    clusters: str = _opt(DEFAULT_CLUSTERS, "hierarchical: number of node clusters K, or auto (the K with the best "
                          "silhouette score)")
-    exchange_every: int = _opt(4, "hierarchical: T, batches per exchange cycle; the clusters' parameters are "
-                               "combined after every T-th batch", count=True)
-    reelect_every: int = _opt(4, "hierarchical: R, exchange cycles between elections of the clusters' servers",
-                              count=True)
-    server_choice: str = _opt("random", "hierarchical: how each cluster's temporary server is elected: random "
-                              "(seeded order, rotating) or capable (highest weighted indicators)")
+    exchange_every: int = _opt(DEFAULT_EXCHANGE_EVERY, "hierarchical: T, batches per exchange cycle; the clusters' "
+                               "parameters are combined after every T-th batch", count=True)
+    reelect_every: int = _opt(DEFAULT_REELECT_EVERY, "hierarchical: R, exchange cycles between elections of the "
+                              "clusters' servers", count=True)
+    server_choice: str = _opt(DEFAULT_SERVER_CHOICE, "hierarchical: how each cluster's temporary server is elected: "
+                              "random (seeded order, rotating) or capable (highest weighted indicators)")
     indicator_weights: str | None = _opt(None, "hierarchical: indicator weights as name=value pairs (cpu_mhz, "
                                          "memory_gb, gpu_mhz, gpu_memory_gb, disk_mbps, uplink_mbps) or six "
-                                         "numbers; default 1,0.5,1,0.5,0.5,2")
+                                         "numbers; default " + ",".join(f"{DEFAULT_WEIGHTS[n]:g}" for n in INDICATORS))
     node_profile: str | None = _opt(None, "hierarchical: TOML file of node indicators overriding the measured "
                                     "ones ([all], [hosts.NAME], [ranks.N] tables)", path=True)
     servers: str | int | None = _opt(None, "ps: colocated (every rank serves a shard of the parameters and trains; "
@@ -230,7 +235,7 @@ class SyncConfig:
     channels: int | None = _opt(None, f"ps: connections (process groups) per server-worker pair (default "
                                 f"{DEFAULT_CHANNELS}; fifo: 1)",
                                 count=True)
-    priority: str = _opt("graph", "ps: transfer order: graph (the next forward's order, traced), timed (also "
+    priority: str = _opt(DEFAULT_PRIORITY, "ps: transfer order: graph (the next forward's order, traced), timed (also "
                          "weighs measured run and transfer times), or fifo (arrival order, whole tensors)")
     slice_kb: float | None = _opt(None, f"ps: cut transfers into slices of this many KB (default "
                                   f"{DEFAULT_SLICE_KB:g}; fifo: whole tensors)")
@@ -275,13 +280,13 @@ class CompressConfig:
     """Gradient compression and error feedback."""
 
     name: str = _opt("none", f"gradient compressor: {', '.join(compressor_names())}", flag="compress")
-    blocks_per_layer: int | None = _opt(None, "blocktopk: blocks kept per parameter (default 1; "
-                                        "exclusive with --block-fraction)", count=True)
+    blocks_per_layer: int | None = _opt(None, f"blocktopk: blocks kept per parameter (default "
+                                        f"{DEFAULT_BLOCKS_PER_LAYER}; exclusive with --block-fraction)", count=True)
     block_fraction: float | None = _opt(None, "blocktopk: fraction of each parameter's blocks kept, "
                                         "in (0, 1], at least one")
     block_metric: str = _opt(DEFAULT_METRIC, "blocktopk: norm that scores a block: l1 or l2 (l2 chosen by "
                              "measurement: vgg_fc ended nearer dense, docs/compression.md)")
-    block_selection: str = _opt("local", "blocktopk: local (each rank its own blocks, all-gathered) or "
+    block_selection: str = _opt(DEFAULT_SELECTION, "blocktopk: local (each rank its own blocks, all-gathered) or "
                                 "global (scores summed, the same blocks on every rank, all-reduced)")
     element_fraction: float = _opt(DEFAULT_ELEMENT_FRACTION,
                                    "topk, randomk: fraction of each layer's elements sent, in (0, 1]")
@@ -388,13 +393,14 @@ class CheckpointConfig:
     every: str | int = _opt("1", "checkpoint every N steps (and after the last one), or auto: measure "
                       "a checkpoint's cost and checkpoint as often as --checkpoint-budget allows",
                       flag="checkpoint_every")
-    budget: float = _opt(0.03, "--checkpoint-every auto, --checkpoint-full-every auto: the share of step "
+    budget: float = _opt(DEFAULT_BUDGET, "--checkpoint-every auto, --checkpoint-full-every auto: the share of step "
                          "time checkpoints may cost, in (0, 0.5]", flag="checkpoint_budget")
-    full_every: str | int = _opt("auto", f"with a sparse compressor ({', '.join(sparse_names())}): a full snapshot "
-                                 "every N checkpoints, the exchanged update in between (1: always full), or "
-                                 "auto: measure the first full snapshot, then the fewest checkpoints between "
-                                 "full ones (10 to 100) that keep within --checkpoint-budget; a resume may "
-                                 "train up to that many steps again", flag="checkpoint_full_every")
+    full_every: str | int = _opt(DEFAULT_FULL_EVERY, "with a sparse compressor "
+                                 f"({', '.join(sparse_names())}): a full snapshot every N checkpoints, the "
+                                 "exchanged update in between (1: always full), or auto: measure the first full "
+                                 "snapshot, then the fewest checkpoints between full ones (10 to 100) that keep "
+                                 "within --checkpoint-budget; a resume may train up to that many steps again",
+                                 flag="checkpoint_full_every")
     resume: bool | None = _opt(None, "resume from --checkpoint-dir (--resume: fail if it holds none; "
                                "--no-resume: start over, overwriting it); default: resume if it holds one")
     init_from: str | None = _opt(None, "start from the parameters of this state_dict file (.pt), e.g. "

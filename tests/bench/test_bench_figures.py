@@ -124,10 +124,65 @@ def test_no_table_outside_a_generated_block_holds_a_measured_figure():
 
 
 def test_a_result_file_no_block_reads_still_gets_a_table(tmp_path, monkeypatch):
+    import bench.figures as figures
     import bench.make_readme as make_readme
-    monkeypatch.setattr(make_readme, "RESULTS", tmp_path)
+    monkeypatch.setattr(figures, "RESULTS", tmp_path)
     (tmp_path / "new_bench.json").write_text(json.dumps(
         {"machine": {"date": "2026-01-01 00:00:00", "commit": "abc", "cpus": 2, "torch": "t"},
          "settings": {"steps": 3}, "rows": [{"mode": "a", "step_s": 0.25, "curve": [[1, 2]]}]}))
     text = make_readme.render_bench_readme()
     assert "### new_bench" in text and "| mode | step_s |" in text and "| a | 0.25 |" in text
+
+
+def test_a_renderer_that_fails_fails_the_check_naming_its_block(tmp_path, monkeypatch, capsys):
+    # default_job.json as a benchmark that renamed its "seed" column would write it.
+    import bench.figures as figures
+    from bench.make_readme import main
+    monkeypatch.setattr(figures, "RESULTS", tmp_path)
+    (tmp_path / "default_job.json").write_text(json.dumps(
+        {"machine": {"date": "2026-01-01 00:00:00", "commit": "abc", "cpus": 2, "torch": "t"}, "settings": {},
+         "rows": [{"run_seed": 0, "test_accuracy": 0.97, "seconds": 100.0, "steps": 300, "meets_target": True}]}))
+    assert main(["--check"]) == 1
+    error = capsys.readouterr().err
+    assert "figure block 'default_job' (bench.default_job.render_default_job)" in error
+    assert "KeyError: 'seed'" in error
+
+
+def test_every_block_is_drawn_by_the_benchmark_module_that_lists_it():
+    # The renderer lives beside its bench: a render_* function of the module whose BLOCKS hold the block.
+    import importlib
+
+    from bench.make_readme import BENCHES, blocks
+    for block in blocks().values():
+        func = getattr(block.render, "func", block.render)   # a functools.partial names its function
+        assert func.__name__.startswith("render_"), block.name
+        assert func.__module__ in {f"bench.{m}" for m in BENCHES}, block.name
+        assert block in importlib.import_module(func.__module__).BLOCKS, block.name
+
+
+_MACHINE = {"date": "2026-01-01 00:00:00", "commit": "abc", "cpus": 2, "torch": "t"}
+_DEFAULT_JOB_ROWS = [{"seed": 0, "test_accuracy": 0.97, "seconds": 100.0, "steps": 300, "meets_target": True}]
+
+
+def test_a_block_prints_the_command_its_result_file_recorded_and_says_when_there_is_none(tmp_path, monkeypatch):
+    import bench.figures as figures
+    from bench.make_readme import render_block
+    monkeypatch.setattr(figures, "RESULTS", tmp_path)
+    path = tmp_path / "default_job.json"
+    path.write_text(json.dumps({"machine": {**_MACHINE, "command": "python bench/default_job.py --seeds 7"},
+                                "settings": {}, "rows": _DEFAULT_JOB_ROWS}))
+    assert "\nCommand: `python bench/default_job.py --seeds 7`. Compared with:" in render_block("default_job")
+    path.write_text(json.dumps({"machine": _MACHINE, "settings": {}, "rows": _DEFAULT_JOB_ROWS}))
+    text = render_block("default_job")
+    assert "\nCommand: not recorded: measured before the benchmarks recorded their command line; " \
+           "to measure again: `python bench/default_job.py`. Compared with:" in text
+
+
+def test_a_result_file_records_the_command_that_wrote_it(tmp_path, monkeypatch):
+    import sys
+
+    import bench.common as common
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(common.Path(common.__file__).parent / "x.py"), "--steps", "3", "a b"])
+    path = common.save("x", {"steps": 3}, [{"mode": "a"}], ["mode"])
+    assert json.loads(path.read_text())["machine"]["command"] == "python bench/x.py --steps 3 'a b'"

@@ -20,6 +20,11 @@ from convoy.sim.overlap import Transfer, simulate
 from convoy.sim.profile import ModelProfile
 from convoy.sim.strategies.base import Breakdown, Strategy
 from convoy.sync.allreduce import ring_allreduce_bytes
+from convoy.sync.hierarchical import DEFAULT_EXCHANGE_EVERY
+
+# K unless given. convoy train's default, auto, picks K from the profiled nodes; the simulator has no
+# profiles, so it takes a count.
+SIMULATED_CLUSTERS = 2
 
 
 class ClusterCycles(Strategy):
@@ -35,7 +40,8 @@ class ClusterCycles(Strategy):
         >>> ClusterCycles(clusters=2, exchange_every=10).step_time(profile, Cluster(4, 1e9, 2, 1e8))
     """
 
-    def __init__(self, clusters: int = 2, exchange_every: int = 10, costs: CpuCosts | None = None):
+    def __init__(self, clusters: int = SIMULATED_CLUSTERS, exchange_every: int = DEFAULT_EXCHANGE_EVERY,
+                 costs: CpuCosts | None = None):
         if clusters < 1 or exchange_every < 1:
             raise UsageError("hierarchical needs clusters >= 1 and exchange_every >= 1")
         self.clusters, self.exchange_every = clusters, exchange_every

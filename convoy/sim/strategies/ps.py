@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from convoy.errors import UsageError
+from convoy.ps.settings import DEFAULT_PRIORITY, DEFAULT_SLICE_KB, PRIORITY_MODES
 from convoy.ps.sharding import shard_layers
 from convoy.sim.cluster import Cluster
 from convoy.sim.cpu import CpuCosts
@@ -27,7 +28,7 @@ from convoy.sim.strategies.base import Breakdown, Strategy
 _STEPS = 4
 # "timed" (convoy's timing-aware order) is modelled as "graph": with per-layer
 # times known exactly, both send what the next forward needs first.
-PRIORITIES = ("graph", "timed", "fifo")
+PRIORITIES = PRIORITY_MODES
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class ServerShards(Strategy):
         >>> ServerShards(1, "graph", 256).step_time(profile, Cluster(5, 1e9))
     """
 
-    def __init__(self, servers: int = 1, priority: str = "graph", slice_kb: float | None = 256,
+    def __init__(self, servers: int = 1, priority: str = DEFAULT_PRIORITY, slice_kb: float | None = DEFAULT_SLICE_KB,
                  costs: CpuCosts | None = None):
         if servers < 1 or priority not in PRIORITIES or (slice_kb is not None and not slice_kb > 0):
             raise UsageError(f"ps needs servers >= 1, priority in {PRIORITIES} and slice_kb > 0")
