@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from convoy.checkpoint.recovery import rank_file_tensors, scan
-from convoy.checkpoint.reshard import STAGING, complete, deal_mean, deal_states, rank_files, recorded_job, reshard
+from convoy.checkpoint.deal import deal_mean, deal_states
+from convoy.checkpoint.reshard import STAGING, complete, rank_files, recorded_job, reshard
 from convoy.checkpoint.store import Store
 from convoy.errors import UsageError
 from tests.helpers import convoy_in_process, one_line_error, saved_model
