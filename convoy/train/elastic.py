@@ -26,7 +26,8 @@ from torch import nn
 from convoy import runtime
 from convoy.checkpoint.format import FormatError
 from convoy.checkpoint.files import model_file
-from convoy.checkpoint.reshard import STAGING, cleanup, complete, rank_files, recorded_job, reshard
+from convoy.checkpoint.reshard import STAGING, cleanup, complete, reshard
+from convoy.checkpoint.written import rank_files, recorded_job
 from convoy.checkpoint.snapshot import model_layout
 from convoy.checkpoint.store import Store
 from convoy.errors import UsageError

@@ -15,7 +15,8 @@ import torch
 
 from convoy.checkpoint.recovery import rank_file_tensors, scan
 from convoy.checkpoint.deal import deal_mean, deal_states
-from convoy.checkpoint.reshard import STAGING, complete, rank_files, recorded_job, reshard
+from convoy.checkpoint.reshard import STAGING, complete, reshard
+from convoy.checkpoint.written import rank_files, recorded_job
 from convoy.checkpoint.store import Store
 from convoy.errors import UsageError
 from tests.helpers import convoy_in_process, one_line_error, saved_model
