@@ -141,3 +141,20 @@ def deal_states(states: list[dict[str, torch.Tensor]], world: int) -> tuple[list
         for j in range(world):
             out[j][key] = dealt[j].contiguous()
     return out, inexact
+
+
+def combine_clusters(columns: list[list[torch.Tensor]], weights: list[float]) -> torch.Tensor:
+    """``sum_k w_k mean(columns[k])``: each cluster's mean over its members (what the cluster's
+    update owes to it, or its one model's value), then the clusters' weighted sum, as the next
+    inter-cluster exchange forms it; in float64, rounded once to the values' dtype. A value every
+    member of every cluster holds alike comes back as it was: the weights sum to 1 within a few
+    float64 roundings, far below float32's.
+
+    Example::
+
+        >>> combine_clusters([[r0, r1], [r2, r3]], [0.4, 0.6])   # 0.4 (r0 + r1) / 2 + 0.6 (r2 + r3) / 2
+    """
+    total = torch.zeros(columns[0][0].shape, dtype=torch.float64)
+    for weight, column in zip(weights, columns):
+        total += weight * (sum(t.double() for t in column) / len(column))
+    return total.to(columns[0][0].dtype)

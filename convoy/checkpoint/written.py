@@ -182,5 +182,26 @@ def read_job(directory: Path, old_world: int, models: Sequence[str]) -> JobState
         for store in stores:
             store.close()
     retrained = max((max(points) - step for _, points in parts.values()), default=0)
-    return JobState(step, retrained, record, states,
-                    {name: ModelPart(directory / name, layout, points[step]) for name, (layout, points) in parts.items()})
+    models = {name: ModelPart(directory / name, layout, points[step]) for name, (layout, points) in parts.items()}
+    return JobState(step, retrained, record, states, models)
+
+
+def check_model_file(path: Path, layout: Layout, role: str = "") -> Layout:
+    """``path``'s layout, after checking that it is ``layout`` (``role``: what the file holds, for
+    the message).
+
+    Raises:
+        UsageError: one line, when the file is missing, unreadable or of another layout.
+    """
+    try:
+        store = Store.open(path)
+    except (OSError, FormatError) as exc:
+        raise UsageError(f"{path}{role} is not a usable checkpoint: {exc}; nothing was changed") from None
+    try:
+        mismatch = layout.first_mismatch(store.layout)
+    finally:
+        store.close()
+    if mismatch:
+        raise UsageError(f"{path}{role} holds a checkpoint of a different model: {mismatch} "
+                         "(use another --checkpoint-dir, or --no-resume to overwrite it)")
+    return store.layout

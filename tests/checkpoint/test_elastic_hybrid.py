@@ -1,0 +1,88 @@
+"""A hybrid job resumed with another layout: the layout checked, the state mapped by role
+(convoy.train.elastic_layouts.relayout_hybrid)."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from convoy.checkpoint.export import export_checkpoint
+
+from tests.checkpoint.elastic_helpers import LENET, assert_mean_kept, fingerprint, rank_state, train
+from tests.helpers import convoy_in_process, one_line_error, saved_model
+
+# 2 conv workers of 12 samples: a global batch of 24. blocktopk writes differential checkpoints of each
+# group's model file (their logs move with it) and keeps residuals; without momentum correction the
+# momentum is in the optimizers, which the saved models compare too.
+JOB = (*LENET, "--parallel", "hybrid", "--compress", "blocktopk", "--block-fraction", "0.05",
+       "--no-momentum-correction")
+STEP = 5
+
+
+def _roles(conv: int, fc: int) -> tuple[str, ...]:
+    return ("--conv-workers", str(conv), "--fc-workers", str(fc))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hybrid")
+    train(3, STEP, tmp / "run", tmp / "ckpt", *JOB, *_roles(2, 1))
+    return tmp
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("conv, fc", [(1, 1), (3, 1), (2, 2)])
+def test_state_maps_by_role_onto_another_layout(checkpoint, tmp_path, conv, fc):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(checkpoint / "ckpt", directory)
+    world = conv + fc
+    before = export_checkpoint(directory, tmp_path / "before.pt")
+    # No step left to train: the model saved is the one the resume restored, the checkpoint's.
+    done = train(world, STEP, tmp_path / "same", directory, *JOB, *_roles(conv, fc))
+    assert (f"written by 3 workers; resuming on {world}: global batch 24 kept ({24 // conv} per conv worker), "
+            f"conv layers from 2 workers to {conv}, FC head from 1 to {fc}") in done.stderr, done.stderr
+    # The checkpoint's newest step is reached through each group's differential log (copied with it).
+    restored, final = saved_model(tmp_path / "same"), saved_model(checkpoint / "run")
+    assert restored.keys() == final.keys() and all(torch.equal(restored[k], v) for k, v in final.items())
+    # The new layout's files hold the old snapshots' parameters and optimizer state (momentum) as they were.
+    after = export_checkpoint(directory, tmp_path / "after.pt")
+    assert after["layers"] == before["layers"] and after["step"] == before["step"]
+    assert all(torch.equal(after["model"][key], value) for key, value in before["model"].items())
+    for mine, theirs in zip(after["optimizers"], before["optimizers"]):
+        assert theirs["state"] and mine["state"].keys() == theirs["state"].keys()
+        for index, state in theirs["state"].items():
+            assert torch.equal(mine["state"][index]["momentum_buffer"], state["momentum_buffer"])
+    # Each group's model file went to its writer in the new layout; each group's rank files were
+    # re-dealt within the group, the group's mean residual kept exactly.
+    assert sorted(p.name for p in directory.glob("model-rank*.ckpt")) == ["model-rank0.ckpt",
+                                                                          f"model-rank{conv}.ckpt"]
+    old = [rank_state(checkpoint / "ckpt", r, STEP) for r in range(3)]
+    new = [rank_state(directory, r, STEP) for r in range(world)]
+    for before, after in (((0, 1), range(conv)), ((2,), range(conv, world))):
+        keys = [k for k in old[before[0]] if k.startswith("sync.residual.")]
+        assert keys and all(k in new[after[0]] for k in keys)
+        for key in keys:
+            assert_mean_kept([old[r][key] for r in before], [new[r][key] for r in after])
+    # And it trains on, then resumes on its own layout.
+    done = train(world, STEP + 2, tmp_path / "more", directory, *JOB, *_roles(conv, fc))
+    assert f"resumed from {directory} at step {STEP}" in done.stderr and "resuming on" not in done.stderr
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("roles, extra, expected", [
+    ((3, 2), (), "--conv-workers (3) must be divisible by --fc-workers (2)"),
+    ((5, 1), (), "the checkpoint's global batch of 24 does not divide over 5 conv workers"),
+    ((1, 1), ("--sync", "hierarchical", "--clusters", "1"),
+     "--parallel hybrid with --sync hierarchical resumes only on that number (2 given"),
+])
+def test_a_layout_that_cannot_be_mapped_is_refused_in_one_line_and_changes_nothing(checkpoint, tmp_path, roles,
+                                                                                   extra, expected):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(checkpoint / "ckpt", directory)
+    before = fingerprint(directory)
+    line = one_line_error(convoy_in_process("train", "--nproc", str(sum(roles)), *JOB, *_roles(*roles), *extra,
+                                            "--steps", str(STEP + 2), "--checkpoint-dir", str(directory),
+                                            "--out", str(tmp_path / "run")))
+    assert expected in line
+    assert fingerprint(directory) == before
