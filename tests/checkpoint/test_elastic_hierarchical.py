@@ -2,7 +2,10 @@
 from the old clusters' state as their next exchange would combine it (convoy.train.elastic_layouts)."""
 from __future__ import annotations
 
+import re
 import shutil
+import signal
+import textwrap
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ import torch
 from convoy.cluster.contribution import ContributionHistory
 from convoy.cluster.plan import clusters_from_tensors
 from tests.checkpoint.elastic_helpers import LENET, fingerprint, model_at, rank_state, train
-from tests.helpers import convoy_in_process, one_line_error, profile_toml
+from tests.helpers import convoy_in_process, dying_model, importable, one_line_error, profile_toml, saved_model
 
 # Two clusters of two: {0, 2} and {1, 3} (ranks 1 and 3 slow). Without momentum correction the clusters'
 # momentum is in their model files, and blocktopk's error feedback in the rank files: both differ between
@@ -104,6 +107,39 @@ def test_a_four_worker_job_goes_on_with_new_clusters_from_the_combined_state(che
     again = train(world, STEP + 4, tmp_path / "run2", directory, *JOB, "--node-profile", str(profile))
     assert f"resumed from {directory} at step {STEP + 2}" in again.stderr and "resuming on" not in again.stderr
     assert _plan(directory, 0, STEP + 4) == new_clusters
+
+
+# LeNet that sends rank 1 a stop signal (SIGTERM) at its 3rd forward, once: the job stops after a step
+# every rank agrees on and commits it, between two exchanges.
+STOPPING_MODEL = dying_model(call=3, kill="os.kill(os.getpid(), signal.SIGTERM)")
+
+
+@pytest.mark.timeout(900)
+def test_a_job_stopped_between_exchanges_goes_on_from_the_clusters_combined_parameters(tmp_path):
+    (tmp_path / "stopping.py").write_text(textwrap.dedent(STOPPING_MODEL))
+    env = {**importable(tmp_path), "CRASH_MARKER": str(tmp_path / "stopped")}
+    profiles = {4: tmp_path / "slow13.toml", 3: tmp_path / "slow1.toml"}
+    profiles[4].write_text(profile_toml(slow=(1, 3)))
+    profiles[3].write_text(profile_toml(slow=(1,)))
+    job = (*JOB, "--model", "stopping:factory", "--exchange-every", "10", "--checkpoint-every", "10",
+           "--checkpoint-dir", str(tmp_path / "ckpt"))
+    stopped = convoy_in_process("train", "--nproc", "4", *job, "--node-profile", str(profiles[4]), "--steps", "20",
+                                "--out", str(tmp_path / "a"), env=env)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
+    step = int(re.search(r"checkpoint committed at step (\d+)", stopped.stderr)[1])
+    assert 0 < step < 10   # before the first exchange
+    clusters = _plan(tmp_path / "ckpt", 0, step)
+    weights = _weights(rank_state(tmp_path / "ckpt", 0, step), clusters)
+    models = [model_at(tmp_path / "ckpt" / f"model-rank{min(c)}.ckpt", step)[0] for c in clusters]
+    assert any(not torch.equal(models[0][key], models[1][key]) for key in models[0])   # the clusters drifted apart
+    # On 3 workers, with no step left to train: the model saved is the one every rank resumed from.
+    done = convoy_in_process("train", "--nproc", "3", *job, "--node-profile", str(profiles[3]), "--steps", str(step),
+                             "--out", str(tmp_path / "b"), env=env)
+    assert done.returncode == 0 and "clusters planned again" in done.stderr, done.stderr
+    resumed = saved_model(tmp_path / "b")
+    for key, value in models[0].items():
+        expected = (weights[0] * value.double() + weights[1] * models[1][key].double()).float()
+        assert torch.equal(resumed[key], expected), key
 
 
 ALLREDUCE = (*LENET, "--compress", "blocktopk", "--block-fraction", "0.05", "--no-momentum-correction")

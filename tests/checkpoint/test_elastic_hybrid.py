@@ -2,12 +2,20 @@
 (convoy.train.elastic_layouts.relayout_hybrid)."""
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from convoy.checkpoint.export import export_checkpoint
+from convoy.checkpoint.reshard import complete
+from convoy.checkpoint.written import recorded_job
+from convoy.train.elastic_layouts import relayout_hybrid
 
 from tests.checkpoint.elastic_helpers import LENET, assert_mean_kept, fingerprint, rank_state, train
 from tests.helpers import convoy_in_process, one_line_error, saved_model
@@ -86,3 +94,39 @@ def test_a_layout_that_cannot_be_mapped_is_refused_in_one_line_and_changes_nothi
                                             "--out", str(tmp_path / "run")))
     assert expected in line
     assert fingerprint(directory) == before
+
+
+def relayout_onto_one_plus_one(directory: Path) -> None:
+    """What a start of a 1+1 job does to a 2+1 job's directory (convoy.train.elastic): finish a committed
+    re-layout, else re-lay it out."""
+    complete(directory)
+    if recorded_job(directory).world == 3:
+        relayout_hybrid(directory, (2, 1), (1, 1), ([0], [1]), {"world": 2, "global_batch": 24})
+
+
+_RELAYOUT = ("import sys; from pathlib import Path; from tests.checkpoint.test_elastic_hybrid import "
+             "relayout_onto_one_plus_one; relayout_onto_one_plus_one(Path(sys.argv[1]))")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kill", ["reshard:0", "reshard:1"])
+def test_a_kill_during_the_re_layout_leaves_a_directory_the_next_start_finishes(checkpoint, tmp_path, kill):
+    """Killed once the re-layout is committed, before its files are in place (0) or with the old ones
+    moved out and the new ones not yet in (1): the next start finishes it, to the same bytes."""
+    reference, directory = tmp_path / "reference", tmp_path / "ckpt"
+    shutil.copytree(checkpoint / "ckpt", reference)
+    shutil.copytree(checkpoint / "ckpt", directory)
+    relayout_onto_one_plus_one(reference)
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+           "CONVOY_CHECKPOINT_KILL": kill}
+    killed = subprocess.run([sys.executable, "-c", _RELAYOUT, str(directory)], env=env, cwd=root, timeout=240)
+    assert killed.returncode == -signal.SIGKILL
+    relayout_onto_one_plus_one(directory)
+
+    def files(path: Path) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
+
+    assert files(directory) == files(reference)
+    assert sorted(p.name for p in directory.glob("*.ckpt")) == ["model-rank0.ckpt", "model-rank1.ckpt",
+                                                               "state-rank0.ckpt", "state-rank1.ckpt"]
