@@ -72,9 +72,11 @@ def test_state_maps_by_role_onto_another_layout(checkpoint, tmp_path, conv, fc):
         assert keys and all(k in new[after[0]] for k in keys)
         for key in keys:
             assert_mean_kept([old[r][key] for r in before], [new[r][key] for r in after])
-    # And it trains on, then resumes on its own layout.
-    done = train(world, STEP + 2, tmp_path / "more", directory, *JOB, *_roles(conv, fc))
+    # It trains on from there, its files keeping the re-dealt step beside the new one (they have the
+    # layout the job's own checkpoints have: a rank file whose layout changes is created anew).
+    done = train(world, STEP + 1, tmp_path / "more", directory, *JOB, *_roles(conv, fc))
     assert f"resumed from {directory} at step {STEP}" in done.stderr and "resuming on" not in done.stderr
+    assert all(rank_state(directory, r, STEP) and rank_state(directory, r, STEP + 1) for r in range(world))
 
 
 @pytest.mark.timeout(600)

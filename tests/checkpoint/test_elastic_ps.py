@@ -85,6 +85,12 @@ def test_the_model_after_the_resume_is_the_checkpoints_bit_for_bit(checkpoint, t
     first = 0 if kind == "colocated" else 1
     assert_mean_kept([_by_layer(tmp / "ckpt", r, kind) for r in range(first, nproc)],
                      [_by_layer(directory, r, kind) for r in range(first, world)])
+    # The new world trains on from there. Its files keep the re-dealt step beside the new one: they
+    # were written with the layout the job's own checkpoints have (a file whose layout changes is
+    # created anew, and holds no step until its first commit).
+    more = train(world, STEP + 1, tmp_path / "more", directory, *JOB, *servers)
+    assert f"resumed from {directory} at step {STEP}" in more.stderr and "resuming on" not in more.stderr
+    assert all(rank_state(directory, r, STEP) and rank_state(directory, r, STEP + 1) for r in range(world))
 
 
 def _by_layer(directory: Path, rank: int, kind: str) -> torch.Tensor:
