@@ -186,9 +186,8 @@ def read_job(directory: Path, old_world: int, models: Sequence[str]) -> JobState
     return JobState(step, retrained, record, states, models)
 
 
-def check_model_file(path: Path, layout: Layout, role: str = "") -> Layout:
-    """``path``'s layout, after checking that it is ``layout`` (``role``: what the file holds, for
-    the message).
+def check_model_file(path: Path, layout: Layout, role: str = "") -> None:
+    """Check that the model file ``path`` has ``layout`` (``role``: what the file holds, for the message).
 
     Raises:
         UsageError: one line, when the file is missing, unreadable or of another layout.
@@ -204,4 +203,3 @@ def check_model_file(path: Path, layout: Layout, role: str = "") -> Layout:
     if mismatch:
         raise UsageError(f"{path}{role} holds a checkpoint of a different model: {mismatch} "
                          "(use another --checkpoint-dir, or --no-resume to overwrite it)")
-    return store.layout
