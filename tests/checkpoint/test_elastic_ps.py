@@ -124,3 +124,17 @@ def test_a_switch_between_colocated_and_dedicated_servers_is_refused_and_changes
                                             "--checkpoint-dir", str(directory), "--out", str(tmp_path / "run")))
     assert f"was written by a `--sync ps --servers {'colocated' if kind == 'colocated' else 1}" in line
     assert fingerprint(directory) == before
+
+
+@pytest.mark.timeout(600)
+def test_a_warm_start_of_the_old_cut_or_a_batch_that_does_not_divide_is_refused_and_changes_nothing(tmp_path):
+    """PowerSGD keeps a warm start per unit of the shards' cut, which does not survive another cut; and
+    the global batch (24 on 2 workers) must divide over the new workers (5)."""
+    job = (*LENET, "--sync", "ps", "--compress", "powersgd", "--timeout", "120")
+    train(2, 3, tmp_path / "run", tmp_path / "ckpt", *job)
+    before = fingerprint(tmp_path / "ckpt")
+    for nproc, expected in ((4, "the rank files hold 'sync.powersgd_q."), (5, "global batch of 24 does not divide")):
+        line = one_line_error(convoy_in_process("train", "--nproc", str(nproc), *job, "--steps", "5", "--checkpoint-dir",
+                                                str(tmp_path / "ckpt"), "--out", str(tmp_path / "again")))
+        assert expected in line
+        assert fingerprint(tmp_path / "ckpt") == before
