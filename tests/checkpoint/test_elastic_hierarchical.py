@@ -147,7 +147,8 @@ ALLREDUCE = (*LENET, "--compress", "blocktopk", "--block-fraction", "0.05", "--n
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("nproc, job, expected", [
-    (3, ALLREDUCE, "was written by a `--sync hierarchical --parallel data` job, not `--sync allreduce --parallel data`"),
+    (3, ALLREDUCE,
+     "was written by a `--sync hierarchical --parallel data` job, not `--sync allreduce --parallel data`"),
     (5, JOB, "global batch of 48 does not divide over 5 workers"),
 ])
 def test_a_hierarchical_checkpoint_that_cannot_be_mapped_is_refused_and_left_untouched(checkpoint, tmp_path, nproc,

@@ -134,7 +134,8 @@ def test_a_warm_start_of_the_old_cut_or_a_batch_that_does_not_divide_is_refused_
     train(2, 3, tmp_path / "run", tmp_path / "ckpt", *job)
     before = fingerprint(tmp_path / "ckpt")
     for nproc, expected in ((4, "the rank files hold 'sync.powersgd_q."), (5, "global batch of 24 does not divide")):
-        line = one_line_error(convoy_in_process("train", "--nproc", str(nproc), *job, "--steps", "5", "--checkpoint-dir",
-                                                str(tmp_path / "ckpt"), "--out", str(tmp_path / "again")))
+        line = one_line_error(convoy_in_process("train", "--nproc", str(nproc), *job, "--steps", "5",
+                                                "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                                "--out", str(tmp_path / "again")))
         assert expected in line
         assert fingerprint(tmp_path / "ckpt") == before
