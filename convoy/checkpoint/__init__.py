@@ -7,6 +7,8 @@
 - :mod:`~convoy.checkpoint.recovery`: newest valid area, checksums, restore.
 - :mod:`~convoy.checkpoint.session`: resume-or-start for a training job.
 - :mod:`~convoy.checkpoint.export`, :mod:`~convoy.checkpoint.inspect`: plain torch files, descriptions.
+- :mod:`~convoy.checkpoint.written`, :mod:`~convoy.checkpoint.deal`, :mod:`~convoy.checkpoint.reshard`,
+  :mod:`~convoy.checkpoint.relayout`: a resume on another number of workers (read, re-deal, stage, commit).
 """
 from convoy.checkpoint.export import export_checkpoint, load_initial_state
 from convoy.checkpoint.format import FormatError

@@ -17,7 +17,7 @@ from convoy.checkpoint.format import FormatError
 from convoy.checkpoint.fsinfo import fs_info
 from convoy.checkpoint.difflog import log_path, read_chain
 from convoy.checkpoint.recovery import restore_points, scan, valid_steps
-from convoy.checkpoint.reshard import recorded_job
+from convoy.checkpoint.written import recorded_job
 from convoy.checkpoint.store import AREAS, Store
 from convoy.errors import UsageError
 

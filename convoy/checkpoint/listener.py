@@ -98,7 +98,7 @@ class CheckpointListener(Listener):
                  every: int | str, last_step: int, full_every: int | str, steps_per_epoch: int,
                  budget: float = DEFAULT_BUDGET, full_names: dict[str, str] | None = None,
                  copy_on_write: bool = True, replay: bool = False, quiet_until: int = 0,
-                 job: dict[str, int] | None = None):
+                 job: dict[str, Any] | None = None):
         writer = files.model_store is not None
         agree: dict[str, Agree] = {}   # how the ranks agree on an "auto" interval (default: alone)
         if dist.is_initialized() and dist.get_world_size() > 1:

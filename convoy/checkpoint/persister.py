@@ -144,7 +144,7 @@ class Persister:
     """
 
     def __init__(self, files: CheckpointFiles, *, steps_per_epoch: int, differential: bool,
-                 stats: dict[str, float], job: dict[str, int] | None = None,
+                 stats: dict[str, float], job: dict[str, Any] | None = None,
                  place_state: Callable[[Place | None], None] | None = None,
                  current_step: Callable[[], int] = lambda: 0):
         if (files.rank == files.writer_rank) != (files.model_store is not None):

@@ -5,42 +5,7 @@ and ``N`` rank files: each rank's error-feedback residuals, momentum-correction
 velocities, PowerSGD warm start, buffers and RNG. To go on with ``M`` workers,
 :func:`reshard` writes ``M`` new rank files from the ``N`` old ones and puts
 them in their place, so the directory again describes one job and the usual
-resume reads it.
-
-What is preserved. The next update is the *average* of what the workers send,
-``(1/W) sum_i sent_i``; what error feedback still owes to it is
-``(1/W) sum_i r_i``, and momentum correction's velocity enters it the same way
-(with a dense compressor, ``(1/W) sum_i u_i`` *is* momentum SGD's buffer). So
-additive state (``residual``, ``velocity``) is dealt so that its mean over the
-workers is kept: ``sum_j r'_j / M == sum_i r_i / N``. Keeping the plain sum
-instead would multiply what is owed by ``N / M`` (twice the momentum after
-going from 4 workers to 2).
-
-How it is exact (:func:`deal_mean`). Where ``M`` is a multiple of ``N`` each
-old tensor is copied to ``M / N`` new ranks: exact. Otherwise, per element,
-``T = (M / N) * sum_i r_i`` is formed in float64 and split into float32 parts
-whose exact sum is ``T``: ``a = fl32(T / (M - 1))`` on each of the first
-``M - 1`` ranks and the tail ``t = T - (M - 1) a`` on the last. ``(M - 1) a``
-is exact in float64 (24 bits times a small integer); it is within a factor 2
-of ``T``, so ``T - (M - 1) a`` is exact (Sterbenz), and ``t`` is about
-``2^-24 T``: it fits a float32 whenever ``T`` has at most ~48 significant bits,
-which is checked element by element (``T - (M - 1) a == t`` in float64, both
-sides exact). An element where it does not fit gets the greedy float32
-expansion of ``T`` over the ``M`` ranks (``fl32(T)``, then ``fl32`` of what is
-left, ...), exact when ``T`` needs at most ``M`` float32 terms; the elements
-where even that leaves something are counted (``Deal.inexact``) and reported.
-``T`` itself is exact when ``N`` is a power of two and an element's values
-span less than about ``2^26`` in magnitude (then the float64 sum of the N
-float32 values and the scaling are exact); otherwise it is within one float64
-rounding (``2^-53``) of the true value. The bulk sits evenly on ``M - 1`` ranks
-and the last rank holds only rounding tails (with ``M = 2`` the first holds
-it all): any split with the right sum owes the same update.
-
-Other state: PowerSGD's warm start ``Q`` is the all-reduced sum every rank
-keeps alike: rank 0's is copied to every new rank. The RNG of new rank ``j``
-is old rank ``j mod N``'s; floating-point buffers (batch-norm statistics) are
-their mean over the old ranks, others rank 0's; the fp16 loss scale is rank
-0's. A key of any other kind is refused, never dropped.
+resume reads it. What the deal keeps, and how exactly: :mod:`convoy.checkpoint.deal`.
 
 Crash safety. The new files are written into ``.reshard/`` and made durable;
 writing ``.reshard/plan.json`` commits the re-deal. Then (roll-forward,
@@ -53,8 +18,8 @@ were; a kill after it is completed by the next start. ``.reshard/`` is removed
 
 Example::
 
-    >>> job = recorded_job(Path("ckpt"))          # JobRecord(world=4, global_batch=48, ...)
-    >>> reshard(Path("ckpt"), 3)                  # state-rank0..2.ckpt now hold the re-dealt state
+    >>> job = recorded_job(Path("ckpt"))          # convoy.checkpoint.written: JobRecord(world=4, ...)
+    >>> reshard(Path("ckpt"), job.world, 3)                  # state-rank0..2.ckpt now hold the re-dealt state
 """
 from __future__ import annotations
 
@@ -63,33 +28,24 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from convoy.checkpoint import faults
+from convoy.checkpoint.deal import deal_states
 from convoy.checkpoint.difflog import DiffLog, log_path
 from convoy.checkpoint.format import CommitRecord, FormatError, Layout
 from convoy.checkpoint.files import model_file, rank_file
-from convoy.checkpoint.recovery import restore_points, scan, valid_steps
+from convoy.checkpoint.recovery import scan, valid_steps
 from convoy.checkpoint.snapshot import rank_layout
 from convoy.checkpoint.store import AREAS, Store
-from convoy.errors import UsageError
+from convoy.checkpoint.written import rank_files, read_job
 from convoy.utils.atomic import sync_folder
 
 STAGING = ".reshard"
 PLAN = "plan.json"
 DONE = "done"
-ADDITIVE = ("residual", "velocity")   # sync state kinds whose mean over the workers enters the update
-SHARED = ("powersgd_q",)              # sync state kinds every rank holds alike
-
-
-@dataclass
-class JobRecord:
-    """What a checkpoint says of the job that wrote it: workers, global batch (None: not recorded)."""
-
-    world: int
-    global_batch: int | None
-    model_files: int
 
 
 @dataclass
@@ -106,141 +62,6 @@ class Deal:
     model_base: int
 
 
-def rank_files(directory: Path) -> dict[int, Path]:
-    """The rank files in ``directory`` by rank."""
-    out = {}
-    for path in directory.glob("state-rank*.ckpt"):
-        number = path.name[len("state-rank"):-len(".ckpt")]
-        if number.isdigit():
-            out[int(number)] = path
-    return out
-
-
-def recorded_job(directory: Path) -> JobRecord | None:
-    """The world size and global batch of the newest committed checkpoint in ``directory``;
-    None when it holds none. Checkpoints from before they were recorded: the number of rank
-    files, and no global batch."""
-    models = sorted(directory.glob("model-rank*.ckpt"))
-    if not models:
-        return None
-    extra = _newest_extra(models[0])
-    if extra is None:
-        return None   # nothing committed (or damaged: the resume itself reports it)
-    # The rank files say first: after a re-deal they are the new world's, the model file's
-    # newest record still the old world's until the new one commits.
-    own = _newest_extra(rank_file(directory, 0)) or {}
-    world = own.get("world") or extra.get("world") or len(rank_files(directory))
-    return JobRecord(int(world), extra.get("global_batch"), len(models))
-
-
-def _newest_extra(path: Path) -> dict | None:
-    """The ``extra`` of the newest valid record of ``path``; None: no such file or record."""
-    try:
-        store = Store.open(path)
-    except (OSError, FormatError):
-        return None
-    try:
-        records = sorted((r.record for r in scan(store, verify_all=False) if r.valid), key=lambda r: r.generation)
-    finally:
-        store.close()
-    return records[-1].extra if records else None
-
-
-# ------------------------------------------------------------------ the deal
-def deal_mean(parts: list[torch.Tensor], world: int) -> tuple[list[torch.Tensor], int]:
-    """``world`` float32 tensors whose mean equals the mean of ``parts`` (see the module's text).
-
-    Returns the tensors and the number of elements where the mean could not be kept exactly.
-
-    Example::
-
-        >>> new, inexact = deal_mean([r0, r1, r2, r3], 3)   # sum(new) / 3 == sum(old) / 4
-    """
-    old = len(parts)
-    if world % old == 0:
-        return [parts[j % old].clone() for j in range(world)], 0
-    total, rounded = _exact_scaled_sum(parts, world)
-    target = total / old   # exact when ``old`` is a power of two; else one float64 rounding (not counted)
-    if world == 1:
-        head = target.float()
-        return [head], int(((head.double() != target) | rounded).sum())
-    bulk = (target / (world - 1)).float()
-    bulk_sum = bulk.double() * (world - 1)
-    tail = (target - bulk_sum).float()
-    fits = (target - bulk_sum) == tail.double()
-    out = [bulk.clone() for _ in range(world - 1)] + [tail]
-    inexact = 0
-    if not bool(fits.all()):
-        # The greedy float32 expansion of the target over every rank, where the tail did not fit.
-        left, terms = target.clone(), []
-        for _ in range(world):
-            term = left.float()
-            terms.append(term)
-            left = left - term.double()
-        for j in range(world):
-            out[j] = torch.where(fits, out[j], terms[j])
-        inexact = int(((left != 0) & ~fits).sum())
-    return out, inexact + int((rounded & fits).sum())
-
-
-def _exact_scaled_sum(parts: list[torch.Tensor], world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``world * sum(parts)`` in float64, and where that is not exact: each addition's error is
-    found by TwoSum (Knuth), the product's by splitting the sum in halves of 26 and 27 bits
-    (Veltkamp), each of which times a small integer is exact."""
-    total = torch.zeros(parts[0].shape, dtype=torch.float64)
-    rounded = torch.zeros(parts[0].shape, dtype=torch.bool)
-    for part in parts:
-        value = part.double()
-        new = total + value
-        back = new - total
-        rounded |= ((total - (new - back)) + (value - back)) != 0
-        total = new
-    product = total * world
-    split = total * 134217729.0   # 2^27 + 1
-    high = split - (split - total)
-    low = total - high
-    rounded |= ((high * world - product) + low * world) != 0
-    return product, rounded
-
-
-def deal_states(states: list[dict[str, torch.Tensor]], world: int) -> tuple[list[dict[str, torch.Tensor]], int]:
-    """Rank states (rank file tensors by key) of ``len(states)`` workers, dealt to ``world``.
-
-    Raises:
-        UsageError: the old ranks hold different keys or shapes, or a key of a kind
-            that cannot be re-dealt (it is never dropped silently).
-    """
-    keys = list(states[0])
-    for rank, state in enumerate(states[1:], 1):
-        if list(state) != keys or any(state[k].shape != states[0][k].shape for k in keys):
-            raise UsageError(f"rank files 0 and {rank} hold different state; they are not of one job")
-    out: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
-    inexact = 0
-    for key in keys:
-        column = [state[key] for state in states]
-        kind = key.split(".", 1)[0]
-        sub = key.split(".", 2)[1] if kind == "sync" and key.count(".") >= 2 else ""
-        if kind == "sync" and sub in ADDITIVE and column[0].is_floating_point():
-            dealt, missed = deal_mean(column, world)
-            inexact += missed
-        elif (kind == "sync" and sub in SHARED) or kind == "scaler":
-            dealt = [column[0].clone() for _ in range(world)]
-        elif kind == "rng":
-            dealt = [column[j % len(column)].clone() for j in range(world)]
-        elif kind == "buffer":
-            if column[0].is_floating_point():
-                mean = (sum(t.double() for t in column) / len(column)).to(column[0].dtype)
-                dealt = [mean.clone() for _ in range(world)]
-            else:
-                dealt = [column[0].clone() for _ in range(world)]
-        else:
-            raise UsageError(f"the rank files hold {key!r}, per-rank state convoy cannot re-deal to {world} "
-                             "workers; resume on the checkpoint's own number of workers")
-        for j in range(world):
-            out[j][key] = dealt[j].contiguous()
-    return out, inexact
-
-
 # ------------------------------------------------------------------ on disk
 def plan_deal(directory: Path, old_world: int, world: int) -> Deal:
     """Read the newest step that the model file can restore and every old rank file holds, and
@@ -249,50 +70,10 @@ def plan_deal(directory: Path, old_world: int, world: int) -> Deal:
     Raises:
         UsageError: a rank file is missing or damaged, or no step is held by them all.
     """
-    files = rank_files(directory)
-    missing = [r for r in range(old_world) if r not in files]
-    if missing:
-        raise UsageError(f"{directory} lacks the rank files of ranks {missing} of the {old_world} workers that "
-                         "wrote it (their per-rank state would be lost); resume on "
-                         f"{old_world} workers, or pass --no-resume")
-    extra = sorted(r for r in files if r >= old_world)
-    if extra:
-        raise UsageError(f"{directory} holds rank files of ranks {extra} beyond the {old_world} workers of its "
-                         "newest checkpoint; it mixes two jobs (move the directory away, or pass --no-resume)")
-    mpath = model_file(directory, 0)
-    store = Store.open(mpath)
-    try:
-        reports = scan(store, verify_all=False)
-    finally:
-        store.close()
-    points = restore_points(mpath, reports)
-    # A step the model file reaches through its log counts too: a resume applies the logged updates
-    # to the model (the rank files hold that step's state themselves, so nothing per rank is replayed).
-    full = set(points)
-    stores, reports_by_rank = [], []
-    try:
-        for rank in range(old_world):
-            stores.append(Store.open(files[rank]))
-            reports_by_rank.append(valid_steps(scan(stores[-1])))
-            full &= set(reports_by_rank[-1])
-        if not full:
-            raise UsageError(f"no step of {directory} is held by the model file and all {old_world} rank files; "
-                             "nothing was changed (move the directory away, or pass --no-resume)")
-        step = max(full)
-        states = []
-        for rank, store in enumerate(stores):
-            tensors = store.tensors(reports_by_rank[rank][step].area, 0)
-            states.append({k: v.clone() for k, v in tensors.items()})
-            del tensors
-        records = [reports_by_rank[r][step].record for r in range(old_world)]
-    except FormatError as exc:
-        raise UsageError(f"{directory}: a rank file is damaged ({exc}); nothing was changed") from None
-    finally:
-        for store in stores:
-            store.close()
-    dealt, inexact = deal_states(states, world)
-    report = points[step].report
-    return Deal(dealt, step, max(points) - step, inexact, records[0], report.area, report.record.generation,
+    job = read_job(directory, old_world, [model_file(directory, 0).name])
+    dealt, inexact = deal_states(job.states, world)
+    report = job.models[model_file(directory, 0).name].point.report
+    return Deal(dealt, job.step, job.retrained, inexact, job.record, report.area, report.record.generation,
                 report.record.step)
 
 
@@ -308,18 +89,40 @@ def reshard(directory: Path, old_world: int, world: int, writers: list[int] | tu
         UsageError: as :func:`plan_deal`; nothing is changed then.
     """
     complete(directory)
+    deal = plan_deal(directory, old_world, world)
+    staging = fresh_staging(directory)
+    for rank, state in enumerate(deal.states):
+        write_rank_file(staging / rank_file(directory, rank).name, state, rank, deal.record, {"world": world})
+    commit_plan(directory, {"from": old_world, "to": world, "step": deal.step, "model_area": deal.model_area,
+                            "model_generation": deal.model_generation, "model_base": deal.model_base,
+                            "writers": sorted(set(writers) - {0})})
+    return deal
+
+
+def fresh_staging(directory: Path) -> Path:
+    """An empty ``.reshard/`` to stage new files in (an earlier re-deal's backup, done, or one
+    that never committed its plan, is removed)."""
     staging = directory / STAGING
     if staging.exists():
-        shutil.rmtree(staging)   # an earlier re-deal's backup (done), or one that never committed its plan
-    deal = plan_deal(directory, old_world, world)
+        shutil.rmtree(staging)
     staging.mkdir()
-    record = deal.record
-    for rank, state in enumerate(deal.states):
-        _write_rank_file(staging / rank_file(directory, rank).name, state, rank, world, record)
+    return staging
+
+
+def commit_plan(directory: Path, plan: dict[str, Any]) -> None:
+    """Commit the re-deal staged in ``.reshard/`` (its files made durable, then the plan written:
+    the commit point) and put it in place (:func:`complete`).
+
+    ``plan``: ``from``, ``to`` (the worlds), ``step``; for a data-parallel re-deal the model
+    file's area, generation and base step (its log is cut past ``step``) and the ``writers``
+    that get a copy of rank 0's model file; for a re-layout ``put`` (the staged model and other
+    files to move in) and ``retire`` (the old files to move aside).
+    """
+    staging = directory / STAGING
+    for path in (p for p in staging.iterdir() if p.is_file()):
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
     sync_folder(staging)
-    plan = {"from": old_world, "to": world, "step": deal.step, "model_area": deal.model_area,
-            "model_generation": deal.model_generation, "model_base": deal.model_base,
-            "writers": sorted(set(writers) - {0})}
     tmp = staging / (PLAN + ".tmp")
     with open(tmp, "w") as f:
         json.dump(plan, f)
@@ -329,11 +132,12 @@ def reshard(directory: Path, old_world: int, world: int, writers: list[int] | tu
     sync_folder(staging)
     faults.halfway("reshard", 0)      # a crash test's kill point: committed, not yet in place
     complete(directory)
-    return deal
 
 
-def _write_rank_file(path: Path, state: dict[str, torch.Tensor], rank: int, world: int,
-                     record: CommitRecord) -> None:
+def write_rank_file(path: Path, state: dict[str, torch.Tensor], rank: int, record: CommitRecord,
+                    job: dict[str, Any]) -> None:
+    """A rank file holding ``state``, committed as ``record``'s step of the job ``job`` describes
+    (``world``, and what else the records say of it)."""
     layout: Layout = rank_layout(state, {"rank": rank, "checksum": "pagesum"})
     store = Store.create(path, layout)
     try:
@@ -343,7 +147,7 @@ def _write_rank_file(path: Path, state: dict[str, torch.Tensor], rank: int, worl
                                        record.generation)
         store.flush(area)
         store.commit(area, CommitRecord(record.generation, record.step, record.epoch, record.position, [checksum],
-                                        {"rank": rank, "world": world}))
+                                        {"rank": rank, **job}))
     finally:
         store.close()
 
@@ -357,11 +161,13 @@ def complete(directory: Path) -> bool:
         return False
     plan = json.loads(plan_path.read_text())
     old_world, world, step = plan["from"], plan["to"], plan["step"]
-    # The old workers' log past the re-dealt step: replaying it on the new workers' state would not
-    # give the state they would have had; they train those steps again.
-    log = log_path(model_file(directory, 0), plan["model_area"])
-    if log.exists():
-        DiffLog.reopen(log, plan["model_generation"], plan["model_base"], step).close()
+    put = plan.get("put")   # a re-layout: its model files are staged whole (their logs already cut)
+    if put is None:
+        # The old workers' log past the re-dealt step: replaying it on the new workers' state would not
+        # give the state they would have had; they train those steps again.
+        log = log_path(model_file(directory, 0), plan["model_area"])
+        if log.exists():
+            DiffLog.reopen(log, plan["model_generation"], plan["model_base"], step).close()
     old = staging / "old"
     old.mkdir(exist_ok=True)
     for rank in range(old_world):
@@ -370,8 +176,12 @@ def complete(directory: Path) -> bool:
             os.replace(path, old / path.name)
     # The other nodes' model files (a directory several nodes share) are copies of rank 0's, of
     # the old world's steps: they go too, and each writer of the new world gets rank 0's, log cut.
-    for path in _model_copies(directory):
-        os.replace(path, old / path.name)
+    # A re-layout names the old files it replaces; one already replaced (its new file moved in) stays.
+    retired = _model_copies(directory) if put is None else \
+        [directory / name for name in plan["retire"] if (staging / name).exists() or name not in put]
+    for path in retired:
+        if path.exists():
+            os.replace(path, old / path.name)
     sync_folder(old)
     faults.halfway("reshard", 1)   # a crash test's kill point: the old files out, the new ones not in
     source = model_file(directory, 0)
@@ -382,6 +192,9 @@ def complete(directory: Path) -> bool:
             with open(copy, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(copy, directory / copy.name)
+    for name in put or []:
+        if (staging / name).exists():
+            os.replace(staging / name, directory / name)
     for rank in range(world):
         new = staging / rank_file(directory, rank).name
         if new.exists():

@@ -56,9 +56,10 @@ class CheckpointSettings:
     timeout_s: float = 300.0
     budget: float = DEFAULT_BUDGET
     full_every: int | str = DEFAULT_FULL_EVERY
-    # What the commit records say of the job ({"world": workers, "global_batch": samples a step}):
-    # a resume on another number of workers keeps the global batch (convoy.checkpoint.reshard).
-    job: dict[str, int] = field(default_factory=dict)
+    # What the commit records say of the job ({"world": workers, "global_batch": samples a step,
+    # "layout": its sync and parallel layout}): a resume on another number of workers keeps the
+    # global batch and maps the layout's state (convoy.train.elastic).
+    job: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

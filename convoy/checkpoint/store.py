@@ -381,11 +381,8 @@ _ZEROS = bytes(64)   # the padding after a tensor is < 64 bytes (tensors are 64-
 
 
 def raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a tensor, without a copy where it is a contiguous CPU one (any dtype, also 0-dim);
-    a GPU tensor's are copied to the CPU."""
-    flat = tensor.detach().reshape(-1).cpu()
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    """The bytes of a tensor (any dtype, also 0-dim), without a copy where it is a contiguous CPU one."""
+    flat = tensor.detach().reshape(-1).cpu().contiguous()
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 

@@ -108,17 +108,11 @@ def build_job(model: nn.Module, roles: PSRoles, rank: int, settings: PSSettings,
     channels = Channels(roles, settings.channels, rank, acks=settings.acked)
     plan = agree_on_plan(model, roles, rank, settings.priority, example)
     whole = model_layers(model)
-    if roles.colocated:
-        units = split_layers([sum(p.numel() for p in params) for _, _, params in whole],
-                             [_common_rows(params) for _, _, params in whole], roles.servers)
-    else:
-        units = [(i, None, None) for i in range(len(whole))]
-    layers = [_unit(whole[i], start, end, alias=roles.colocated) for i, start, end in units]
+    shards = plan_shards(model, roles, settings)
+    units, layers = shards.units, shards.layers
     numels = [sum(p.numel() for p in params) for _, _, params in layers]
     unit_plan = _plan_of_units(plan, [i for i, _, _ in units])
-    owner = (place_units(units, [4 * n for n in numels], roles.servers, settings.shard_weights) if roles.colocated
-             else shard_layers([4 * n for n in numels], roles.servers))
-    pull = build_routing(numels, unit_plan, settings, owner=owner)
+    pull = build_routing(numels, unit_plan, settings, owner=shards.owner)
     capacities = [codec.capacity(i, n, tuple(p.shape for p in layers[i][2]), first_step)
                   for i, n in enumerate(numels)]
     push = build_routing(capacities, unit_plan, settings, element_size=1, owner=pull.owner)
@@ -130,6 +124,44 @@ def build_job(model: nn.Module, roles: PSRoles, rank: int, settings: PSSettings,
     layer_rank = [min(rank[v] for v in units_of[id(whole[i][1])]) for i, _, _ in units]
     return PSJob(roles, settings, channels, unit_plan, layers, {key: us[0] for key, us in units_of.items()},
                  pull, push, [per_layer[i] for i, _, _ in units], codec, units_of, layer_rank)
+
+
+@dataclass
+class ShardPlan:
+    """Which server holds what: the job's units (whole layers, or, colocated, rows of the large ones) and
+    the server (0..S-1, its position among the servers) that owns each. Worked out from the model and
+    the settings alone, the same on every rank and with no collective, so that a checkpoint's shards can
+    be cut again for another number of servers (``convoy.train.elastic_ps``).
+
+    Attributes:
+        units: ``(layer, first row, end row)`` per unit (rows ``None``: the whole layer), layers in
+            :func:`~convoy.ps.trace_graph.model_layers` order.
+        layers: ``(name, module, params)`` per unit (colocated: views of the layer's rows).
+        owner: per unit, the server's position.
+    """
+
+    units: list[tuple[int, int | None, int | None]]
+    layers: list[tuple[str, nn.Module, list[nn.Parameter]]]
+    owner: list[int]
+
+    def layers_of(self, server: int) -> list[int]:
+        """The units the server at position ``server`` owns."""
+        return [unit for unit, owner in enumerate(self.owner) if owner == server]
+
+
+def plan_shards(model: nn.Module, roles: PSRoles, settings: PSSettings) -> ShardPlan:
+    """The units of ``model`` and their servers under ``roles`` and ``settings`` (see :class:`ShardPlan`)."""
+    whole = model_layers(model)
+    if roles.colocated:
+        units = split_layers([sum(p.numel() for p in params) for _, _, params in whole],
+                             [_common_rows(params) for _, _, params in whole], roles.servers)
+    else:
+        units = [(i, None, None) for i in range(len(whole))]
+    layers = [_unit(whole[i], start, end, alias=roles.colocated) for i, start, end in units]
+    numels = [sum(p.numel() for p in params) for _, _, params in layers]
+    owner = (place_units(units, [4 * n for n in numels], roles.servers, settings.shard_weights) if roles.colocated
+             else shard_layers([4 * n for n in numels], roles.servers))
+    return ShardPlan(units, layers, owner)
 
 
 def _common_rows(params: Sequence[nn.Parameter]) -> int | None:
@@ -176,7 +208,7 @@ class Shard(nn.Module):
         ['p0.weight', 'p0.bias', 'p3.weight', 'p3.bias']
     """
 
-    def __init__(self, job: PSJob, layers: Sequence[int], buffers_of: nn.Module | None = None,
+    def __init__(self, job: PSJob | ShardPlan, layers: Sequence[int], buffers_of: nn.Module | None = None,
                  own_storage: bool = False):
         super().__init__()
         self.layer_of: dict[int, int] = {}   # id(child) -> layer index

@@ -1,17 +1,29 @@
-"""Resuming a checkpoint on another number of workers: keep its global batch, re-deal its per-rank state.
+"""Resuming a checkpoint on another number of workers: keep its global batch, map its state onto the new world.
 
 ``convoy train`` with another ``--nproc`` (or under torchrun's re-formed world)
 on a ``--checkpoint-dir`` that ``N`` workers wrote goes on with ``M``: rank 0
-checks that the job can be mapped (``--sync allreduce``, ``--parallel data``,
-the checkpoint's global batch divides over ``M``, the same model), re-deals
-the rank files (:mod:`convoy.checkpoint.reshard`) and every rank trains on
-with ``global batch / M`` samples a step (the data order continues: global
-batches do not depend on the world size). Anything else is refused in one
-line before a byte of the checkpoint changes.
+checks that the job can be mapped (the checkpoint's global batch divides over
+the new world's data workers, the same model, the same kind of job) and maps
+its state (every rank then trains on with ``global batch / workers`` samples a
+step; global batches do not depend on the world size, so the data order
+continues):
+
+- ``--sync allreduce``: the rank files are re-dealt (:mod:`convoy.checkpoint.reshard`).
+- ``--sync hierarchical``: the clusters are planned again for the new world,
+  every rank starting from the old clusters' state as their next exchange would
+  combine it (:mod:`convoy.train.elastic_layouts`; written once the new plan is
+  made, :func:`convoy.train.hierarchical.build_hierarchy`).
+- ``--sync ps`` (``--servers colocated`` or ``1``): the parameters and optimizer
+  state re-sharded onto the new servers, the workers' state re-dealt
+  (:mod:`convoy.train.elastic_ps`).
+- ``--parallel hybrid``: the layout given for the new world is checked, and the
+  state maps by role (:mod:`convoy.train.elastic_layouts`).
+
+Anything else is refused in one line before a byte of the checkpoint changes.
 
 Example::
 
-    >>> config = adapt_to_checkpoint(config, model, ctx)   # config.data.batch_size: global / M
+    >>> config = adapt_to_checkpoint(config, model, ctx)   # config.data.batch_size: global / workers
 """
 from __future__ import annotations
 
@@ -19,24 +31,31 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
 from convoy import runtime
-from convoy.checkpoint.format import FormatError
 from convoy.checkpoint.files import model_file
-from convoy.checkpoint.reshard import STAGING, cleanup, complete, rank_files, recorded_job, reshard
+from convoy.checkpoint.reshard import STAGING, cleanup, complete, reshard
 from convoy.checkpoint.snapshot import model_layout
-from convoy.checkpoint.store import Store
+from convoy.checkpoint.written import JobRecord, check_model_file, rank_files, recorded_job
 from convoy.errors import UsageError
+from convoy.models import split_point
 from convoy.train.config import TrainConfig
+from convoy.train.elastic_layouts import plan_replan, relayout_hybrid
+from convoy.train.elastic_ps import reshard_ps
 from convoy.train.optim import optimizer_spec
+
+# The jobs that resume on another number of workers: (--sync, --parallel) -> how their state is mapped.
+MAPPINGS = {("allreduce", "data"): "allreduce", ("hierarchical", "data"): "hierarchical", ("ps", "data"): "ps",
+            ("allreduce", "hybrid"): "hybrid"}
 
 
 def adapt_to_checkpoint(config: TrainConfig, model: nn.Module, ctx: runtime.Context) -> TrainConfig:
     """``config`` with the per-worker batch that keeps the checkpoint's global batch on this world,
-    after rank 0 re-dealt the checkpoint's per-rank state; ``config`` itself when the world is
+    after rank 0 mapped the checkpoint's state onto it; ``config`` itself when the world is
     the checkpoint's (or there is none). A collective: every rank calls it.
 
     Raises:
@@ -45,10 +64,10 @@ def adapt_to_checkpoint(config: TrainConfig, model: nn.Module, ctx: runtime.Cont
     if config.checkpoint.dir is None:
         return config
     outcome: list = [None]
-    writers = _node_writers(ctx)
+    nodes = node_of_ranks(ctx)
     if ctx.rank == 0:
         try:
-            outcome = [_adapt(config, model, ctx.world_size, writers)]
+            outcome = [_adapt(config, model, ctx.world_size, nodes)]
         except UsageError as exc:
             outcome = [("refused", str(exc))]
     if dist.is_initialized() and ctx.world_size > 1:
@@ -65,23 +84,45 @@ def adapt_to_checkpoint(config: TrainConfig, model: nn.Module, ctx: runtime.Cont
 
 
 def finish_resharding(config: TrainConfig, rank: int) -> None:
-    """After the run's last commit (rank 0): drop the old world's rank files a re-deal kept aside,
+    """After the run's last commit (rank 0): drop the old world's files a re-deal kept aside,
     if every rank file has committed a step of the new world (else the next start does)."""
     if config.checkpoint.dir is not None and rank == 0 and Path(config.checkpoint.dir).is_dir():
         cleanup(Path(config.checkpoint.dir))
 
 
-def _node_writers(ctx: runtime.Context) -> list[int]:
-    """The ranks that write a model file in this world: each node's first (local rank 0). A collective."""
+def job_layout(config: TrainConfig) -> dict[str, Any]:
+    """What the checkpoint's records say of the job's layout (``--sync``, ``--servers``,
+    ``--parallel`` and the hybrid roles): what a resume on another world maps from."""
+    layout: dict[str, Any] = {"sync": config.sync.strategy, "parallel": config.parallel.layout}
+    if config.sync.strategy == "ps":
+        layout["servers"] = config.ps_servers()
+    if config.parallel.layout == "hybrid":
+        layout.update(conv_workers=config.parallel.conv_workers, fc_workers=config.parallel.fc_workers)
+    return layout
+
+
+def job_record(config: TrainConfig, world: int, global_batch: int) -> dict[str, Any]:
+    """What every commit record says of the job (its world, global batch and layout)."""
+    return {"world": world, "global_batch": global_batch, "layout": job_layout(config)}
+
+
+def node_of_ranks(ctx: runtime.Context) -> list[int]:
+    """Each rank's node, named by its first rank (from torchrun's ``LOCAL_RANK``). A collective."""
     mine = ctx.rank - int(os.environ.get("LOCAL_RANK", ctx.rank))
     if not (dist.is_initialized() and ctx.world_size > 1):
         return [mine]
     everyone: list = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
-    return sorted(set(everyone))
+    return everyone
 
 
-def _adapt(config: TrainConfig, model: nn.Module, world: int, writers: list[int]) -> tuple[str, object] | None:
+def writers_of(group: list[int], nodes: list[int]) -> list[int]:
+    """The ranks of ``group`` that write its model file: its first on each node
+    (as :func:`convoy.checkpoint.session.start_checkpointing` picks them)."""
+    return sorted({min(r for r in group if nodes[r] == node) for node in {nodes[r] for r in group}})
+
+
+def _adapt(config: TrainConfig, model: nn.Module, world: int, nodes: list[int]) -> tuple[str, object] | None:
     directory = Path(config.checkpoint.dir)
     if not directory.is_dir():
         return None
@@ -101,38 +142,94 @@ def _adapt(config: TrainConfig, model: nn.Module, world: int, writers: list[int]
     accum = config.optim.grad_accum
     global_batch = job.global_batch or config.data.batch_size * accum * job.world
     keep = f"run on {job.world} workers, or pass --no-resume to start over"
-    elastic = config.sync.strategy == "allreduce" and config.parallel.layout == "data"
+    mapping = MAPPINGS.get((config.sync.strategy, config.parallel.layout))
     if job.world == world:
-        # Only a data-parallel job can have been re-dealt (other layouts' data world is not the world).
-        return _same_world(directory, config, global_batch, world, keep) if elastic else None
-    if not elastic:
-        raise UsageError(f"--checkpoint-dir {directory} holds a checkpoint of {job.world} workers; only "
-                         f"--sync allreduce with --parallel data resumes on another number ({world}): {keep}")
-    if global_batch % (world * accum):
-        per = f" x --grad-accum {accum}" if accum > 1 else ""
+        # A mapped job restarted with its first command (its original --batch-size) keeps the checkpoint's batch.
+        data_world = config.job_shape(world).data_world_size
+        return _same_world(directory, config, global_batch, data_world, keep) if mapping else None
+    if mapping is None:
+        raise UsageError(f"--checkpoint-dir {directory} holds a checkpoint of {job.world} workers; --parallel "
+                         f"{config.parallel.layout} with --sync {config.sync.strategy} resumes only on that number "
+                         f"({world} given; --sync allreduce, hierarchical or ps with --parallel data, and --parallel "
+                         f"hybrid with --sync allreduce resume on any): {keep}")
+    if mapping != "allreduce" or job.layout is not None:   # a data-parallel job's layout is implied when unrecorded
+        _check_same_kind(directory, job, config, keep)
+    data_world = config.job_shape(world).data_world_size   # the new layout fits the new world, or one line
+    per = f" x --grad-accum {accum}" if accum > 1 else ""
+    if global_batch % (data_world * accum):
+        workers = "conv workers" if mapping == "hybrid" else "workers"
         raise UsageError(f"--checkpoint-dir {directory}: the checkpoint's global batch of {global_batch} does not "
-                         f"divide over {world} workers{per}; {keep}")
-    _check_model(directory, model, config)
-    if job.model_files > 1:
-        # Several nodes shared the directory (torchrun on several hosts): each node's writer kept a
-        # model file; in a data-parallel job they are copies of one model, or this is no such job.
-        _check_copies(directory, model, config, world, keep)
-    deal = reshard(directory, job.world, world, writers)
-    batch = global_batch // (world * accum)
+                         f"divide over {data_world} {workers}{per}; {keep}")
+    step, retrained, inexact, what = _map(mapping, directory, config, model, job, world, nodes, keep,
+                                          job_record(config, world, global_batch))
+    batch = global_batch // (data_world * accum)
     workers = f"{job.world} worker{'s' if job.world > 1 else ''}"
+    each = "per conv worker" if mapping == "hybrid" else "per worker"
     note = (f"convoy: checkpoint: {directory} was written by {workers}; resuming on {world}: global batch "
-            f"{global_batch} kept ({batch} per worker{' per micro-batch' if accum > 1 else ''}), per-rank state "
-            f"re-dealt at step {deal.step}")
-    if deal.retrained:
-        note += (f" (the newest step every rank file holds: the {deal.retrained} logged steps after it are "
+            f"{global_batch} kept ({batch} {each}{' per micro-batch' if accum > 1 else ''}), {what} at step {step}")
+    if retrained:
+        note += (f" (the newest step every rank file holds: the {retrained} logged steps after it are "
                  "trained again)")
-    if deal.inexact:
-        note += (f"; {deal.inexact} residual values kept their mean only to float32 precision "
+    if inexact:
+        note += (f"; {inexact} residual values kept their mean only to float32 precision "
                  "(their values span too wide a range to be dealt exactly)")
     return "resharded", (batch, note)
 
 
-def _same_world(directory: Path, config: TrainConfig, global_batch: int, world: int,
+def _map(mapping: str, directory: Path, config: TrainConfig, model: nn.Module, job: JobRecord, world: int,
+         nodes: list[int], keep: str, new_job: dict[str, Any]) -> tuple[int, int, int, str]:
+    """Map the checkpoint onto ``world`` as ``mapping`` says: (step, logged steps trained again,
+    residual values dealt only to float32 precision, what was done). ``new_job``: what the new
+    files' records say of the job."""
+    if mapping == "allreduce":
+        _check_model(directory, model, config)
+        if job.model_files > 1:
+            # Several nodes shared the directory (torchrun on several hosts): each node's writer kept a
+            # model file; in a data-parallel job they are copies of one model, or this is no such job.
+            _check_copies(directory, model, config, world, keep)
+        deal = reshard(directory, job.world, world, writers_of(list(range(world)), nodes))
+        return deal.step, deal.retrained, deal.inexact, "per-rank state re-dealt"
+    if mapping == "hierarchical":
+        _check_copies(directory, model, config, world, keep)   # each cluster's file holds the whole model
+        replan = plan_replan(directory, job.world)              # written once the new clusters are planned
+        weights = ", ".join(f"{w:.3g}" for w in replan.weights)
+        return (replan.job.step, 0, 0, f"clusters planned again, every rank starting from the {len(replan.clusters)} "
+                f"old clusters' model, momentum and error-feedback state combined with the weights of their "
+                f"next exchange ({weights})")
+    if mapping == "ps":
+        return reshard_ps(directory, config, model, job.world, world, writers_of(list(range(world)), nodes),
+                          new_job)
+    old, new = job.layout or {}, (config.parallel.conv_workers, config.parallel.fc_workers)
+    features, head = split_point(model, config.parallel.split_at)
+    for rank, part, role in ((0, features, "conv layers"), (old["conv_workers"], head, "FC head")):
+        _check_model(directory, part, config, model_file(directory, rank),
+                     f" (the {role} of a --conv-workers {old['conv_workers']} --fc-workers {old['fc_workers']} job)")
+    groups = (list(range(new[0])), list(range(new[0], world)))
+    step, retrained, inexact = relayout_hybrid(directory, (old["conv_workers"], old["fc_workers"]), new,
+                                               (writers_of(groups[0], nodes), writers_of(groups[1], nodes)), new_job)
+    return (step, retrained, inexact, f"conv layers from {old['conv_workers']} workers to {new[0]}, FC head from "
+            f"{old['fc_workers']} to {new[1]}, per-rank state re-dealt within each group")
+
+
+def _flags(layout: dict[str, Any]) -> str:
+    """A recorded layout as the flags that ask for it."""
+    flags = f"--sync {layout.get('sync')}" + (f" --servers {layout['servers']}" if "servers" in layout else "")
+    return flags + f" --parallel {layout.get('parallel')}"
+
+
+def _check_same_kind(directory: Path, job: JobRecord, config: TrainConfig, keep: str) -> None:
+    """UsageError unless the checkpoint recorded a layout of the kind ``config`` asks for (the
+    hybrid roles may change: they are what is re-laid out)."""
+    if job.layout is None:
+        raise UsageError(f"--checkpoint-dir {directory} was written before convoy recorded a job's layout, so it "
+                         f"cannot be mapped onto another number of workers: {keep}")
+    mine = job_layout(config)
+    if _flags(job.layout) != _flags(mine):
+        raise UsageError(f"--checkpoint-dir {directory} was written by a `{_flags(job.layout)}` job, not "
+                         f"`{_flags(mine)}`; resume it with those settings on any number of workers, or {keep}")
+
+
+def _same_world(directory: Path, config: TrainConfig, global_batch: int, data_world: int,
                 keep: str) -> tuple[str, object] | None:
     """None when this world's batch is the checkpoint's; else the per-worker batch that keeps it.
 
@@ -141,12 +238,12 @@ def _same_world(directory: Path, config: TrainConfig, global_batch: int, world: 
     the one the checkpoint was trained with, or the data order and the trajectory change.
     """
     accum = config.optim.grad_accum
-    if global_batch == config.data.batch_size * accum * world:
+    if global_batch == config.data.batch_size * accum * data_world:
         return None
-    if global_batch % (world * accum):
+    if global_batch % (data_world * accum):
         raise UsageError(f"--checkpoint-dir {directory}: the checkpoint's global batch of {global_batch} does not "
-                         f"divide over {world} workers with --grad-accum {accum}; {keep}")
-    batch = global_batch // (world * accum)
+                         f"divide over {data_world} workers with --grad-accum {accum}; {keep}")
+    batch = global_batch // (data_world * accum)
     return "kept", (batch, f"convoy: checkpoint: {directory} was trained with a global batch of {global_batch}: "
                            f"kept ({batch} per worker{' per micro-batch' if accum > 1 else ''}, not --batch-size "
                            f"{config.data.batch_size})")
@@ -154,7 +251,8 @@ def _same_world(directory: Path, config: TrainConfig, global_batch: int, world: 
 
 def _check_copies(directory: Path, model: nn.Module, config: TrainConfig, world: int, keep: str) -> None:
     """UsageError unless every model file in ``directory`` holds the whole model (copies kept by
-    the nodes of one data-parallel job, not the layer groups of a hybrid or pipeline one)."""
+    the nodes of one data-parallel job, or a hierarchical job's clusters, not the layer groups
+    of a hybrid or pipeline one)."""
     for path in sorted(directory.glob("model-rank*.ckpt")):
         try:
             _check_model(directory, model, config, path)
@@ -164,20 +262,9 @@ def _check_copies(directory: Path, model: nn.Module, config: TrainConfig, world:
                              f"resume on another number of workers ({world}): {keep}") from None
 
 
-def _check_model(directory: Path, model: nn.Module, config: TrainConfig, path: Path | None = None) -> None:
+def _check_model(directory: Path, model: nn.Module, config: TrainConfig, path: Path | None = None,
+                 role: str = "") -> None:
     """UsageError when the checkpoint (its model file ``path``, by default rank 0's) is of another
-    model (the resume would refuse it too, but only after the rank files were re-dealt)."""
+    model than ``model`` (the resume would refuse it too, but only after the files were re-dealt)."""
     optimizer_class, hyper = optimizer_spec(config)
-    layout = model_layout(model, optimizer_class, hyper)
-    path = path or model_file(directory, 0)
-    try:
-        store = Store.open(path)
-    except (OSError, FormatError) as exc:
-        raise UsageError(f"{path} is not a usable checkpoint: {exc}; nothing was changed") from None
-    try:
-        mismatch = layout.first_mismatch(store.layout)
-    finally:
-        store.close()
-    if mismatch:
-        raise UsageError(f"{path} holds a checkpoint of a different model: {mismatch} "
-                         "(use another --checkpoint-dir, or --no-resume to overwrite it)")
+    check_model_file(path or model_file(directory, 0), model_layout(model, optimizer_class, hyper), role)

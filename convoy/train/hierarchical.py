@@ -9,7 +9,8 @@ each group keeps the clusters it was planned with (saved by
 measurement is noisy, so a fresh plan could split them differently. The plan
 is also written beside the checkpoint files before the first step
 (``clusters-rank<leader>.pt``), so a job stopped before any checkpoint was
-committed starts again with the same clusters.
+committed starts again with the same clusters. On another number of workers the clusters are
+planned again and the checkpoint's state mapped onto them (:mod:`convoy.train.elastic_layouts`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from convoy import runtime
 from convoy.checkpoint.files import rank_file
 from convoy.checkpoint.recovery import rank_file_tensors
+from convoy.checkpoint.written import recorded_job
 from convoy.cluster import load_profile_file, parse_weights
 from convoy.cluster.plan import ClusterPlan, clusters_from_tensors, make_plan
 from convoy.cluster.profile import NodeProfile, profile_job
@@ -31,6 +33,8 @@ from convoy.utils.atomic import save_atomically
 from convoy.parallel.shape import JobShape
 from convoy.sync.hierarchical import ClusterNetwork, Hierarchical
 from convoy.train.config import TrainConfig
+from convoy.train.elastic import job_record, node_of_ranks, writers_of
+from convoy.train.elastic_layouts import plan_replan, replan_hierarchical
 
 
 @dataclass
@@ -53,25 +57,64 @@ class Hierarchy:
 
 def build_hierarchy(config: TrainConfig, ctx: runtime.Context, shape: JobShape) -> Hierarchy:
     """Profile every rank, plan each engine group on its first rank, build every group's
-    process groups; a collective on the default group (every rank, the same order)."""
+    process groups; a collective on the default group (every rank, the same order).
+
+    A checkpoint of another number of workers (which :func:`convoy.train.elastic.adapt_to_checkpoint`
+    found mappable) is not resumed with its clusters: they are planned again, as at a fresh start,
+    and its state mapped onto them (:mod:`convoy.train.elastic_layouts`).
+    """
     overrides = load_profile_file(config.sync.node_profile) if config.sync.node_profile else None
     profiles = profile_job(overrides, ctx.local_rank)
-    plans = [_agree_on_plan(config, ctx.rank, profiles, group, shape.clusters_in(group))
+    old_world = [_replanned(config, ctx.world_size) if ctx.rank == 0 else None]
+    if dist.is_initialized() and ctx.world_size > 1:
+        dist.broadcast_object_list(old_world, src=0)
+    plans = [_agree_on_plan(config, ctx.rank, profiles, group, shape.clusters_in(group), old_world[0] is None)
              for group in shape.engine_groups]
+    if old_world[0] is not None:
+        _map_onto(config, ctx, plans[0], old_world[0])
     return Hierarchy(plans, [ClusterNetwork(plan) for plan in plans])
 
 
+def _replanned(config: TrainConfig, world: int) -> int | None:
+    """The number of workers that wrote the checkpoint this job resumes, when it is not ``world``."""
+    if config.checkpoint.dir is None or config.checkpoint.resume is False or not Path(config.checkpoint.dir).is_dir():
+        return None
+    job = recorded_job(Path(config.checkpoint.dir))
+    return job.world if job is not None and job.world != world else None
+
+
+def _map_onto(config: TrainConfig, ctx: runtime.Context, plan: ClusterPlan, old_world: int) -> None:
+    """Map the checkpoint of ``old_world`` workers onto ``plan``'s clusters (rank 0 writes, every rank
+    waits); a collective. Each cluster's writers (its first rank on each node) get the model file."""
+    nodes = node_of_ranks(ctx)
+    outcome: list = [None]
+    if ctx.rank == 0:
+        directory = Path(config.checkpoint.dir)
+        try:
+            job = recorded_job(directory)
+            writers = sorted(w for members in plan.clusters for w in writers_of(members, nodes))
+            replan_hierarchical(directory, plan_replan(directory, old_world), ctx.world_size, plan, writers,
+                                job_record(config, ctx.world_size, job.global_batch), plan_file(directory, 0).name)
+        except UsageError as exc:
+            outcome = [str(exc)]
+    if dist.is_initialized() and ctx.world_size > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise UsageError(outcome[0])
+
+
 def _agree_on_plan(config: TrainConfig, rank: int, profiles: list[NodeProfile], group: list[int],
-                   clusters: int | str) -> ClusterPlan:
-    """``group``'s plan, made (or read from the checkpoint) on its first rank and broadcast."""
+                   clusters: int | str, resume: bool = True) -> ClusterPlan:
+    """``group``'s plan, made (or, with ``resume``, read from the checkpoint) on its first rank and
+    broadcast. Without ``resume`` the plan is fresh, and kept by the mapping of the checkpoint."""
     leader = group[0]
     box: list = [None]
     if rank == leader:
         try:
             plan = make_plan([profiles[r] for r in group], parse_weights(config.sync.indicator_weights), clusters,
                              config.run.seed, config.sync.reelect_every, config.sync.server_choice).on_ranks(group)
-            box[0] = _resumed_plan(config, plan, clusters)
-            if config.checkpoint.dir is not None and Path(config.checkpoint.dir).is_dir():
+            box[0] = _resumed_plan(config, plan, clusters) if resume else plan
+            if resume and config.checkpoint.dir is not None and Path(config.checkpoint.dir).is_dir():
                 save_atomically(box[0].as_tensors(), plan_file(Path(config.checkpoint.dir), leader))
         except UsageError as exc:   # sent on, so every rank fails alike instead of waiting
             box[0] = str(exc)

@@ -29,7 +29,7 @@ from convoy.sync import AllReduce, SyncStrategy, ring_allreduce_bytes
 from convoy.train.config import TrainConfig, save_config
 from convoy.train.hierarchical import build_hierarchy
 from convoy.train.ps import build_hybrid_ps_layout, build_ps_layout
-from convoy.train.elastic import adapt_to_checkpoint, finish_resharding
+from convoy.train.elastic import adapt_to_checkpoint, finish_resharding, job_record
 from convoy.train.divergence import DivergenceGuard, StopAgreement, divergence_hint
 from convoy.train.metrics import MetricsWriter
 from convoy.train.optim import build_compression, lr_lambda, optimizer_spec, whole_step_group
@@ -147,8 +147,8 @@ def start_checkpoints(config: TrainConfig, layout: ParallelLayout, total_steps: 
     elif layout.engine.sync.checkpoint_period(1) != 1:
         raise UsageError("--checkpoint-every auto cannot be used with --sync hierarchical: its checkpoints fall "
                          f"on exchange steps; give a multiple of --exchange-every ({config.sync.exchange_every})")
-    job = {"world": dist.get_world_size() if dist.is_initialized() else 1,
-           "global_batch": config.data.batch_size * config.optim.grad_accum * layout.data_world_size}
+    job = job_record(config, dist.get_world_size() if dist.is_initialized() else 1,
+                     config.data.batch_size * config.optim.grad_accum * layout.data_world_size)
     settings = CheckpointSettings(config.checkpoint.dir, every, config.checkpoint.resume, config.run.timeout,
                                   config.checkpoint.budget, config.checkpoint.full_every, job)
     module, group_ranks, full_names = layout.checkpoint_scope()

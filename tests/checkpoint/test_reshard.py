@@ -1,8 +1,6 @@
 """Resuming a checkpoint on another number of workers: the re-deal's exactness, the trajectory, refusals, crashes."""
 from __future__ import annotations
 
-import hashlib
-import math
 import os
 import shutil
 import signal
@@ -14,9 +12,12 @@ import pytest
 import torch
 
 from convoy.checkpoint.recovery import rank_file_tensors, scan
-from convoy.checkpoint.reshard import STAGING, complete, deal_mean, deal_states, rank_files, recorded_job, reshard
+from convoy.checkpoint.deal import deal_mean, deal_states
+from convoy.checkpoint.reshard import STAGING, complete, reshard
+from convoy.checkpoint.written import rank_files, recorded_job
 from convoy.checkpoint.store import Store
 from convoy.errors import UsageError
+from tests.checkpoint.elastic_helpers import assert_mean_kept, fingerprint
 from tests.helpers import convoy_in_process, one_line_error, saved_model
 
 # A constant learning rate: a cosine schedule over a shorter first run would differ from the whole run's.
@@ -36,15 +37,6 @@ def _sync_state(directory: Path, world: int, step: int) -> list[dict[str, torch.
     return [rank_file_tensors(directory / f"state-rank{r}.ckpt", "sync", step) for r in range(world)]
 
 
-def _assert_mean_kept(old: list[torch.Tensor], new: list[torch.Tensor]) -> None:
-    """sum(new) / M == sum(old) / N exactly: N * sum(new) - M * sum(old) == 0 element by element, summed
-    without rounding (math.fsum of float64 values that are exact multiples of float32 ones)."""
-    n, m = len(old), len(new)
-    columns = [(n * t.double()).tolist() for t in new] + [(-m * t.double()).tolist() for t in old]
-    wrong = [i for i, values in enumerate(zip(*columns)) if math.fsum(values) != 0.0]
-    assert not wrong, f"{len(wrong)} elements lost or gained, the first at {wrong[0]}"
-
-
 def _additive(state: dict[str, torch.Tensor]) -> list[str]:
     return [k for k in state if k.split(".", 1)[0] in ("residual", "velocity")]
 
@@ -59,7 +51,7 @@ def test_the_deal_keeps_the_mean_over_workers_bit_for_bit(old, new):
     parts[0][:500] = 0.0
     dealt, inexact = deal_mean(parts, new)
     assert inexact == 0 and len(dealt) == new and all(t.dtype == torch.float32 for t in dealt)
-    _assert_mean_kept(parts, dealt)
+    assert_mean_kept(parts, dealt)
 
 
 def test_one_worker_gets_the_mean_rounded_once_and_the_rounded_elements_are_counted():
@@ -117,7 +109,7 @@ def test_a_blocktopk_job_continued_on_fewer_workers_keeps_its_residuals_and_velo
     keys = _additive(before[0])
     assert {k.split(".")[0] for k in keys} == {"residual", "velocity"}
     for key in keys:
-        _assert_mean_kept([s[key] for s in before], [s[key] for s in after])
+        assert_mean_kept([s[key] for s in before], [s[key] for s in after])
     shown = convoy_in_process("checkpoint", "inspect", str(directory))
     assert shown.returncode == 0 and f"written by {world} workers, global batch 48" in shown.stdout
     exported = convoy_in_process("checkpoint", "export", str(directory), str(tmp_path / "model.pt"))
@@ -139,7 +131,7 @@ def test_powersgd_state_is_dealt_its_shared_q_copied(tmp_path):
     for key in shared:   # every rank kept the same all-reduced Q, and every new rank gets it
         assert all(torch.equal(s[key], before[0][key]) for s in before + after), key
     for key in _additive(before[0]):
-        _assert_mean_kept([s[key] for s in before], [s[key] for s in after])
+        assert_mean_kept([s[key] for s in before], [s[key] for s in after])
 
 
 @pytest.mark.timeout(600)
@@ -159,26 +151,22 @@ def test_a_dense_job_continued_on_two_workers_ends_where_the_uninterrupted_four_
 
 
 # ------------------------------------------------------------------ bad input, crashes
-def _fingerprint(directory: Path) -> dict[str, tuple[int, str]]:
-    return {str(p.relative_to(directory)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("nproc, extra, expected", [
     (5, (), "global batch of 48 does not divide over 5 workers"),
-    (2, ("--sync", "hierarchical", "--clusters", "1"), "only --sync allreduce with --parallel data resumes"),
+    (2, ("--sync", "hierarchical", "--clusters", "1"),
+     "was written by a `--sync allreduce --parallel data` job, not `--sync hierarchical --parallel data`"),
     (2, ("--model", "vgg_fc"), "holds a checkpoint of a different model"),
 ])
 def test_a_resume_that_cannot_be_mapped_is_refused_in_one_line_and_changes_nothing(sparse_checkpoint, tmp_path,
                                                                                    nproc, extra, expected):
     directory = tmp_path / "ckpt"
     shutil.copytree(sparse_checkpoint[0], directory)
-    before = _fingerprint(directory)
+    before = fingerprint(directory)
     line = one_line_error(convoy_in_process("train", "--nproc", str(nproc), *SPARSE, *extra, "--steps", "31",
                                             "--checkpoint-dir", str(directory), "--out", str(tmp_path / "run")))
     assert expected in line
-    assert _fingerprint(directory) == before
+    assert fingerprint(directory) == before
 
 
 def _start_on_three(directory: Path) -> None:
