@@ -108,8 +108,8 @@ def plan_replan(directory: Path, old_world: int) -> Replan:
             raise UsageError(f"rank files 0 and {rank} hold different cluster plans; they are not of one job")
     history = ContributionHistory([len(c) for c in clusters])
     if "sync.contribution.cycles" in state[0]:
-        history.agreement_sum = state[0]["sync.contribution.agreement_sum"].tolist()
-        history.cycles = int(state[0]["sync.contribution.cycles"])
+        history.restore(state[0]["sync.contribution.agreement_sum"].tolist(),
+                        int(state[0]["sync.contribution.cycles"]))
     weights = history.weights()
     parts = [job.models[name] for name in chosen]
     for name, part in zip(chosen[1:], parts[1:]):
