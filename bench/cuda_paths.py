@@ -35,6 +35,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import save, spawn  # noqa: E402
+from bench.figures import Block, number, rows_of, table  # noqa: E402
 from convoy import runtime  # noqa: E402
 from convoy.compress import compressor_names  # noqa: E402
 from convoy.models import build_model  # noqa: E402
@@ -175,6 +176,19 @@ def main() -> None:
                 "backend": "gloo (CUDA tensors)", "batch": BATCH}
     save("cuda_paths", settings, rows, ["model", "variant", "step_ms", "step/floor", "replicas_equal",
                                         "rel_diff_vs_cpu"])
+
+
+def render_cuda_paths() -> str:
+    return table(["model", "variant", "GPU step ms", "x floor", "replicas bit-equal", "relative difference to CPU"],
+                 [[r["model"], r["variant"], number(r["step_ms"]), number(r["step/floor"]),
+                   str(r.get("replicas_equal", "")), number(r.get("rel_diff_vs_cpu"))] for r in rows_of("cuda_paths")])
+
+
+BLOCKS = (
+    Block("cuda_paths", "Every compressor on CUDA tensors (two ranks sharing one H100 over gloo)", ("cuda_paths",),
+          "DDP with torch's PowerSGD (rank 4) and fp16 hooks on the same GPU and gloo", render_cuda_paths,
+          rerun="python bench/cuda_paths.py --steps 30"),
+)
 
 
 if __name__ == "__main__":

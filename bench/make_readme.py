@@ -39,7 +39,7 @@ BENCH_README = ROOT / "bench" / "README.md"
 MARKER = re.compile(r"(<!-- bench:([\w.-]+) -->\n)(.*?)(<!-- /bench:\2 -->)", re.S)
 
 # The benchmark modules whose BLOCKS the pages show, in bench/README.md's order.
-BENCHES = ("default_job", "engine_vs_ddp", "cluster_allreduce", "checkpoint", "ddp_hook_stress",
+BENCHES = ("default_job", "engine_vs_ddp", "cluster_allreduce", "checkpoint", "ddp_hook_stress", "cuda_paths",
            "train_through_failures", "stop_flag", "compression.selection", "compression.wire_bytes",
            "compression.accuracy", "powersgd_step", "sparse_accuracy", "sparse_block_size", "time_to_accuracy",
            "ps_settings", "link_patterns", "staleness_rules", "training_guards", "hybrid", "hierarchical", "ps",
