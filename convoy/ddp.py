@@ -43,6 +43,7 @@ from convoy.compress import Compressor, Memory, build_compressor, compressor_nam
 from convoy.core.sync import PendingSync
 from convoy.errors import UsageError
 from convoy.sync import AllReduce
+from convoy.sync.pipeline import CompressionPipeline
 
 # What comm_hook returns: DDP's (state, hook) pair.
 HookPair = tuple[Any, Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]]
@@ -94,8 +95,10 @@ class CompressedHookState:
 
     def __init__(self, compressor: Compressor, memory: Memory,
                  process_group: dist.ProcessGroup | None = None, warmup_steps: int = 0):
-        self.compressor, self.memory = compressor, memory
-        self.process_group, self.warmup_steps = process_group, warmup_steps
+        # The same error feedback, compression and warm-up as convoy train's exchange, kept across
+        # the exchanges the hook builds (and saved by state_dict).
+        self.pipeline = CompressionPipeline(compressor, memory, warmup_steps)
+        self.process_group = process_group
         self._exchange: AllReduce | None = None
         # Each parameter's key (the order the hook first saw them in); each bucket's keys and shapes.
         self._keys: dict[int, int] = {}
@@ -109,10 +112,22 @@ class CompressedHookState:
         self._last: int | None = None
 
     @property
+    def compressor(self) -> Compressor:
+        return self.pipeline.compressor
+
+    @property
+    def memory(self) -> Memory:
+        return self.pipeline.memory
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.pipeline.warmup_steps
+
+    @property
     def exchange(self) -> AllReduce:
         """The exchange the hook runs: convoy's AllReduce over ``process_group``."""
         if self._exchange is None:
-            self._exchange = AllReduce(self.process_group, self.compressor, self.memory, self.warmup_steps)
+            self._exchange = AllReduce(self.process_group, pipeline=self.pipeline)
             self._exchange.set_step(self._steps)
         return self._exchange
 
@@ -133,8 +148,7 @@ class CompressedHookState:
         members = (tuple(keys[i] for i in order), tuple(params[i].shape for i in order))
         index = bucket.index()
         if self._members.get(index, members) != members:
-            self.memory.forget(str(index))
-            self.compressor.forget(str(index))
+            self.pipeline.forget(str(index))
         self._members[index] = members
         if order == sorted(order):
             return members[1], None
@@ -169,7 +183,7 @@ class CompressedHookState:
         return {"steps": self._steps,
                 "buckets": {index: {"keys": list(keys), "shapes": [list(s) for s in shapes]}
                             for index, (keys, shapes) in self._members.items()},
-                "tensors": {**self.memory.state_tensors(), **self.compressor.state_tensors()}}
+                "tensors": self.pipeline.state_tensors()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``, what :meth:`state_dict` returned on this rank.
@@ -187,8 +201,7 @@ class CompressedHookState:
         self._members = {int(index): (tuple(int(k) for k in bucket["keys"]),
                                       tuple(torch.Size(shape) for shape in bucket["shapes"]))
                          for index, bucket in state["buckets"].items()}
-        self.memory.load_state_tensors(state["tensors"])
-        self.compressor.load_state_tensors(state["tensors"])
+        self.pipeline.load_state_tensors(state["tensors"])
         if self._exchange is not None:
             self._exchange.set_step(self._steps)
 

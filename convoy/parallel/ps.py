@@ -32,7 +32,7 @@ from convoy.ps.server import ServeShard
 from convoy.ps.settings import PSSettings
 from convoy.ps.timeline import Timeline
 from convoy.ps.worker import PushPull
-from convoy.sync.allreduce import AllReduce
+from convoy.sync.pipeline import CompressionPipeline
 from convoy.parallel.scoring import chunks, finish, tally
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -119,7 +119,7 @@ class ParameterServerLayout(ParallelLayout):
         self._shared = False   # colocated: the shards restored from a checkpoint were shared
         self._served = (0, 0)    # colocated: the server's traffic at the last step_metrics
         # Process groups are created collectively, in the same order on every rank.
-        codec = RowCodec(AllReduce(None, compressor, None, warmup_steps))
+        codec = RowCodec(CompressionPipeline(compressor, None, warmup_steps))
         self.job = build_job(model, self.roles, rank, settings, example, codec)
         self.routing = self.job.pull
         self.worker_group = worker_group(self.roles)

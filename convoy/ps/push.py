@@ -24,8 +24,8 @@ from typing import Any, Sequence
 
 import torch
 
-from convoy.compress import Compressor, IdentityCompressor, LayerInfo
-from convoy.sync.allreduce import AllReduce
+from convoy.compress import Compressor, LayerInfo
+from convoy.sync.pipeline import CompressionPipeline
 from convoy.sync.rows import row_extent
 from convoy.ps.slicing import Slice
 
@@ -46,26 +46,24 @@ class RowCodec:
     """The server's knowledge of every push row: width, dtypes and decoding context per layer and step.
 
     Args:
-        rule: the workers' strategy settings (compressor, warm-up), for the
-            compressor and density each step uses (the same rule as all-reduce).
+        pipeline: the workers' compression (compressor, warm-up), for the
+            compressor and density each step uses (the same as all-reduce's).
 
     Example::
 
-        >>> codec = RowCodec(AllReduce(None, BlockTopKCompressor(fraction=0.1), warmup_steps=0))
+        >>> codec = RowCodec(CompressionPipeline(BlockTopKCompressor(fraction=0.1)))
         >>> width, dtypes, ctx, compressor = codec.row(3, numel=150, shapes=(w.shape, b.shape), step=0)
     """
 
-    def __init__(self, rule: AllReduce):
-        self.rule = rule
-        self._dense = IdentityCompressor()
+    def __init__(self, pipeline: CompressionPipeline):
+        self.pipeline = pipeline
         self._lock = threading.Lock()
         self._rows: dict[tuple[int, int], tuple[int, list[torch.dtype], Any, Compressor]] = {}
 
     def compressor_at(self, step: int) -> tuple[Compressor, float | None]:
         """The compressor and warm-up density of ``step`` (dense while a density-less compressor warms up)."""
-        if step < self.rule.warmup_steps and self.rule.compressor.density is None:
-            return self._dense, None
-        return self.rule.compressor, self.rule.warmup_density(step)
+        compressor = self.pipeline.compressor_at(step)
+        return compressor, (self.pipeline.warmup_density(step) if compressor is self.pipeline.compressor else None)
 
     def row(self, layer: int, numel: int, shapes: tuple[torch.Size, ...],
             step: int) -> tuple[int, list[torch.dtype], Any, Compressor]:

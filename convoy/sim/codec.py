@@ -15,12 +15,13 @@ from convoy.compress.blocks import BlockLayout
 from convoy.compress.powersgd import PowerSGDCompressor
 from convoy.compress.topk import kept_count
 from convoy.errors import UsageError
+from convoy.sync.pipeline import WARMUP_START_DENSITY
 
 # The registered compressors (convoy.compress.compressor_names()) this module has a wire model of:
 # the methods below are each one's own arithmetic, so a new compressor is modelled here by hand.
 COMPRESSORS = ("none", "fp16", "randomk", "topk", "blocktopk", "powersgd")
-# The density a sparse compressor's warm-up starts from (convoy.sync.allreduce.WARMUP_START_DENSITY).
-RAMP_START = 0.25
+# The density a sparse compressor's warm-up starts from: the pipeline's own.
+RAMP_START = WARMUP_START_DENSITY
 
 # convoy.sync.AllReduce's all-gather row starts with one int64 size per payload tensor.
 _SIZE_HEADER = 8

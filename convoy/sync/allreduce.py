@@ -6,15 +6,14 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from convoy.compress import Compressor, IdentityCompressor, LayerInfo, Memory, NoMemory, Place, Support
+from convoy.compress import Compressor, LayerInfo, Memory, Place, Support
 from convoy.core import Replay
 from convoy.sync.base import Done, PendingSync, SyncStrategy
+from convoy.sync.pipeline import WARMUP_START_DENSITY, CompressionPipeline
 from convoy.sync.rows import pack_row, row_extent, sum_rows
 from convoy.utils.collective import AsyncCollective
 
-
-# A warm-up's first step sends this share of every layer (DGC's 25%).
-WARMUP_START_DENSITY = 0.25
+__all__ = ["WARMUP_START_DENSITY", "AllReduce", "ring_allreduce_bytes"]
 
 
 def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
@@ -90,6 +89,8 @@ class AllReduce(SyncStrategy):
             this many steps, exponentially from 25% to its own (DGC's warm-up);
             a compressor without a density (fp16, a fixed block count) sends
             them uncompressed instead.
+        pipeline: or all three as a :class:`~convoy.sync.pipeline.CompressionPipeline`
+            (a DDP hook's state keeps its own across the exchanges it builds).
 
     Example::
 
@@ -107,21 +108,27 @@ class AllReduce(SyncStrategy):
 
     def __init__(self, group: dist.ProcessGroup | None = None,
                  compressor: Compressor | None = None, memory: Memory | None = None,
-                 warmup_steps: int = 0):
+                 warmup_steps: int = 0, *, pipeline: CompressionPipeline | None = None):
         super().__init__()
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        self.compressor = compressor or IdentityCompressor()
-        self.memory = memory or NoMemory()
+        if pipeline is not None and (compressor is not None or memory is not None or warmup_steps):
+            raise ValueError("give a pipeline or its compressor, memory and warmup_steps, not both")
+        self.pipeline = pipeline or CompressionPipeline(compressor, memory, warmup_steps)
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.warmup_steps = warmup_steps
-        self._dense = IdentityCompressor()
         self._exchanges: dict[int, int] = {}  # bucket index -> steps exchanged
         self._first_step = 0
-        # A resume that rebuilds error feedback by replaying logged steps (start_replay): the
-        # averages of the steps it covers come from the checkpoint's log, the others are exchanged.
-        self._replay: Replay | None = None
+
+    @property
+    def compressor(self) -> Compressor:
+        return self.pipeline.compressor
+
+    @property
+    def memory(self) -> Memory:
+        return self.pipeline.memory
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.pipeline.warmup_steps
 
     def set_step(self, step: int) -> None:
         """Count steps from ``step`` (resuming): warm-up covers steps ``< warmup_steps`` of the job."""
@@ -131,10 +138,10 @@ class AllReduce(SyncStrategy):
     def start_replay(self, replay: Replay) -> None:
         """Take the averages of the steps ``replay`` covers from it: the memory moves on as in
         training, nothing crosses the network (a resume's replay, :mod:`convoy.checkpoint.replay`)."""
-        self._replay = replay
+        self.pipeline.start_replay(replay)
 
     def stop_replay(self) -> None:
-        self._replay = None
+        self.pipeline.stop_replay()
 
     def warmup_density(self, step: int) -> float | None:
         """The least share of each layer sent at ``step``: 25% decaying exponentially to the
@@ -145,15 +152,12 @@ class AllReduce(SyncStrategy):
             >>> AllReduce(None, TopKCompressor(0.01), warmup_steps=2).warmup_density(1)
             0.05
         """
-        target = self.compressor.density
-        if step >= self.warmup_steps or target is None or target >= WARMUP_START_DENSITY:
-            return None
-        return WARMUP_START_DENSITY * (target / WARMUP_START_DENSITY) ** (step / self.warmup_steps)
+        return self.pipeline.warmup_density(step)
 
     def start(self, bucket: Any, grad: torch.Tensor) -> PendingSync:
         # The parameters one by one: the memory reads them in place, no flat copy per step.
-        params = [p.detach() for p in bucket.params] if self.memory.needs_params else None
-        layers = tuple(layer.name for layer in bucket.layers) if self._replay is not None else None
+        params = [p.detach() for p in bucket.params] if self.pipeline.needs_params else None
+        layers = tuple(layer.name for layer in bucket.layers) if self.pipeline.replaying else None
         return self.start_flat(bucket.index, tuple(p.shape for p in bucket.params), grad, params, layers,
                                defer_rounds=self.defers_rounds)
 
@@ -178,9 +182,8 @@ class AllReduce(SyncStrategy):
         name = str(index)
         # A compressor without a density warms up dense; the memory still runs,
         # so momentum correction keeps its velocity through the warm-up.
-        dense = step < self.warmup_steps and self.compressor.density is None
-        compressor = self._dense if dense else self.compressor
-        compensated = self.memory.compensate(grad, name, params)
+        compressor = self.pipeline.compressor_at(step)
+        compensated = self.pipeline.compensate(grad, name, params)
         info = LayerInfo(shapes=shapes, agree=self._agree, step=step, density=self.warmup_density(step),
                          world_size=self.world_size, remote=self.remote_payloads)
         payload, ctx = compressor.compress(compensated, name, info)
@@ -198,8 +201,8 @@ class AllReduce(SyncStrategy):
         """The rounds left (each summed now, blocking), error feedback, and the final exchange."""
         while compressor.more_rounds(ctx):   # PowerSGD's P: summed now, the last round below
             payload, ctx = compressor.next_round([self._agree(t) for t in payload], ctx)
-        self.memory.keep_unsent(compensated, name, compressor, payload, ctx)
-        logged = self._replay(step, layers) if self._replay is not None and layers is not None else None
+        self.pipeline.keep_unsent(compensated, name, compressor, payload, ctx)
+        logged = self.pipeline.replayed(step, layers)
         if logged is not None:
             # A resume replaying a logged step: the memory moved on as in training; the
             # average the ranks computed then is in the log, so nothing crosses the network.
@@ -207,24 +210,19 @@ class AllReduce(SyncStrategy):
         return self._exchange(compressor, payload, ctx, grad)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """The memory's residuals (and velocities), and the compressor's warm start."""
-        return {**self.memory.state_tensors(), **self.compressor.state_tensors()}
+        return self.pipeline.state_tensors()
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.memory.load_state_tensors(tensors)
-        self.compressor.load_state_tensors(tensors)
+        self.pipeline.load_state_tensors(tensors)
 
     def state_bytes_bound(self, params_bytes: int) -> int:
-        """A parameter-sized tensor per kind the memory keeps, and the compressor's own."""
-        return params_bytes * len(self.memory.kept()) + self.compressor.state_bytes_bound(params_bytes)
+        return self.pipeline.state_bytes_bound(params_bytes)
 
     def replaced_each_step(self) -> tuple[str, ...]:
-        """The memory's (:attr:`convoy.compress.Memory.replaced_each_step`)."""
-        return self.memory.replaced_each_step
+        return self.pipeline.replaced_each_step()
 
     def place_state_in(self, place: Place | None) -> None:
-        """The memory builds its new tensors there (:meth:`convoy.compress.Memory.place_in`)."""
-        self.memory.place_in(place)
+        self.pipeline.place_state_in(place)
 
     def _exchange(self, compressor: Compressor, payload: Any, ctx: Any,
                   out: torch.Tensor | None = None) -> PendingSync:

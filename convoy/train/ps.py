@@ -17,7 +17,7 @@ from convoy.ps.roles import PSRoles
 from convoy.ps.settings import PSSettings
 from convoy.ps.timeline import Timeline
 from convoy.ps.trace_graph import model_layers
-from convoy.sync.allreduce import AllReduce
+from convoy.sync.pipeline import CompressionPipeline
 from convoy.train.config import TrainConfig
 from convoy.train.optim import build_compression, lr_lambda, optimizer_spec
 
@@ -78,7 +78,7 @@ def build_hybrid_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.C
     optimizer_class, hyper = optimizer_spec(config)
     compressor, memory = build_compression(config, roles.conv_workers)
     schedule = lr_lambda(config.optim.lr_schedule, total_steps)
-    codec = RowCodec(AllReduce(None, compressor, None, config.compress.warmup()))
+    codec = RowCodec(CompressionPipeline(compressor, None, config.compress.warmup()))
     job = build_job(model, ps_roles, ctx.rank, settings, example_batch(config, input_shape, ctx.device), codec,
                     layer_workers)
     timeline = (Timeline(ctx.rank, "server" if ps_roles.is_server(ctx.rank) else "worker", settings.trace_steps)
