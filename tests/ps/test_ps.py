@@ -296,12 +296,12 @@ def test_settings_resolve_per_mode_and_reject_bad_values():
 def test_push_rows_cover_their_width_with_fixed_slices():
     from convoy.compress import BlockTopKCompressor, IdentityCompressor
     from convoy.ps.push import RowCodec, pieces_within
-    from convoy.sync import AllReduce
+    from convoy.sync import CompressionPipeline
 
     shapes = (torch.Size([6, 1, 5, 5]), torch.Size([6]))
-    dense = RowCodec(AllReduce(None, IdentityCompressor()))
+    dense = RowCodec(CompressionPipeline(IdentityCompressor()))
     assert dense.row(0, 156, shapes, step=0)[0] == 8 + 4 * 156 == dense.capacity(0, 156, shapes, 0)
-    sparse = RowCodec(AllReduce(None, BlockTopKCompressor(fraction=0.1), warmup_steps=4))
+    sparse = RowCodec(CompressionPipeline(BlockTopKCompressor(fraction=0.1), warmup_steps=4))
     widths = [sparse.row(0, 156, shapes, step)[0] for step in range(6)]
     assert widths == sorted(widths, reverse=True) and widths[-1] < widths[0] <= sparse.capacity(0, 156, shapes, 0)
     pieces = slice_table([sparse.capacity(0, 156, shapes, 0)], slice_bytes=64, element_size=1)[0]
