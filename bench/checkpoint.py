@@ -63,6 +63,8 @@ from convoy.checkpoint.recovery import read_updates, replay_updates, restore_mod
 from convoy.checkpoint.store import Store  # noqa: E402
 from convoy.compress import build_compressor, compressor_names  # noqa: E402
 from convoy.engine import Engine  # noqa: E402
+from convoy.parallel.groups import ProcessGroups  # noqa: E402
+from convoy.parallel.shape import JobShape  # noqa: E402
 from convoy.sync import AllReduce  # noqa: E402
 from convoy.utils.atomic import save_atomically  # noqa: E402
 
@@ -98,14 +100,17 @@ def _run_mode(rank: int, mode: str, name: str, batch: int, steps: int, root: Pat
     x, y = _batch(rank, batch, 3)
     model = _model(name, 3)
     compressor, memory = build_compressor(compress)
-    engine = Engine(model, torch.optim.SGD, AllReduce(dist.new_group(), compressor, memory), **HYPER)
+    # The job's groups as convoy train makes them: the engine's, and the one its ranks agree on "auto" over.
+    groups = ProcessGroups.create(JobShape(dist.get_world_size()), agree_full=True)
+    engine = Engine(model, torch.optim.SGD, AllReduce(groups.engines[0], compressor, memory), **HYPER)
     directory = root / mode
     session, stalls, pending = None, [], [None]
     if mode.startswith("convoy"):
         full_every = 1 if mode == "convoy_full" else CheckpointSettings.full_every
         settings = CheckpointSettings(str(directory), resume=False, full_every=full_every, budget=DIFFERENTIAL_BUDGET)
         session = start_checkpointing(settings, model, engine,
-                                      torch.optim.SGD, HYPER, total_steps=10**9, steps_per_epoch=10**9)
+                                      torch.optim.SGD, HYPER, total_steps=10**9, steps_per_epoch=10**9,
+                                      agree_groups=(groups.agree_every, groups.agree_full))
     dcp_group = dist.new_group() if mode == "dcp_async" else None
 
     def step() -> None:

@@ -231,6 +231,14 @@ def saved_model(run: Path) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------ models and data
+def ps_groups(settings: Any, world: int) -> Any:
+    """The process groups of a parameter-server job of ``world`` ranks (call on every rank)."""
+    from convoy.parallel.groups import ProcessGroups
+    from convoy.parallel.shape import JobShape
+
+    return ProcessGroups.create(JobShape(world, servers=0 if settings.colocated else settings.servers), ps=settings)
+
+
 def seeded_model(name: str) -> nn.Module:
     """convoy's model ``name`` for digits (1 channel, 10 classes), initialised from seed 0."""
     from convoy.models import build_model

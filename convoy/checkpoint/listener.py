@@ -84,6 +84,9 @@ class CheckpointListener(Listener):
             files already hold: nothing is written for them.
         job: what the records say of the job (its world size, global batch): a resume on
             another world reads it.
+        agree_groups: process groups of every rank (``ProcessGroups.agree_every``,
+            ``agree_full``) over which an "auto" ``every`` and ``full_every`` are agreed;
+            needed for "auto" on several ranks.
 
     Example::
 
@@ -98,15 +101,16 @@ class CheckpointListener(Listener):
                  every: int | str, last_step: int, full_every: int | str, steps_per_epoch: int,
                  budget: float = DEFAULT_BUDGET, full_names: dict[str, str] | None = None,
                  copy_on_write: bool = True, replay: bool = False, quiet_until: int = 0,
-                 job: dict[str, Any] | None = None):
+                 job: dict[str, Any] | None = None, agree_groups: tuple[Any, Any] = (None, None)):
         writer = files.model_store is not None
         agree: dict[str, Agree] = {}   # how the ranks agree on an "auto" interval (default: alone)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            # Every rank builds a listener: collective calls, in the same order on every rank.
-            if every == "auto":
-                agree["agree_every"] = _largest_over(dist.new_group())
-            if full_every == "auto":
-                agree["agree_full"] = _largest_over(dist.new_group())
+            for key, interval, group in zip(("agree_every", "agree_full"), (every, full_every), agree_groups):
+                if interval == "auto":
+                    if group is None:
+                        raise ValueError(f"{key[6:]}=auto on {dist.get_world_size()} ranks needs its agree_groups "
+                                         "entry (ProcessGroups.create(..., agree_every/agree_full=True))")
+                    agree[key] = _largest_over(group)
         self.schedule = Schedule(every=every, last_step=last_step, full_every=full_every, writer=writer,
                                  budget=budget, replay=replay, start=max(engine.step, quiet_until), **agree)
         self.model, self.engine, self.rank = model, engine, files.rank

@@ -180,13 +180,15 @@ def _gather(value: Any, world: int) -> list[Any]:
 def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: CheckpointedEngine,
                         optimizer_class: type, optimizer_kwargs: dict[str, Any], total_steps: int, steps_per_epoch: int,
                         group_ranks: list[int] | None = None,
-                        full_names: dict[str, str] | None = None) -> CheckpointSession:
+                        full_names: dict[str, str] | None = None,
+                        agree_groups: tuple[Any, Any] = (None, None)) -> CheckpointSession:
     """Resume from ``settings.directory`` when it holds a checkpoint (or as ``resume`` says) and attach the listener.
 
     ``model`` is the part of the model this rank trains, replicated on
     ``group_ranks`` (default: every rank); each group persists its own layers
     into its own model file. ``full_names`` maps the part's ``state_dict`` keys
     to the whole model's, so an export can put the parts back together.
+    ``agree_groups``: where ranks agree on an "auto" interval (:class:`CheckpointListener`).
 
     Raises:
         UsageError: the directory is a file, not writable, on a full disk; it
@@ -255,7 +257,7 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
                                   full_every=settings.full_every if differential_ok(engine.sync) else 0,
                                   steps_per_epoch=steps_per_epoch, budget=settings.budget, full_names=full_names,
                                   copy_on_write=type(engine.sync) is AllReduce, replay=replay,
-                                  quiet_until=start.reached, job=settings.job)
+                                  quiet_until=start.reached, job=settings.job, agree_groups=agree_groups)
     engine.listeners.append(listener)
     return CheckpointSession(listener, start)
 

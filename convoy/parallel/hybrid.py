@@ -92,6 +92,8 @@ class HybridParallel(ParallelLayout):
         rank: this process's global rank.
         input_shape: (C, H, W) of one sample, to size the activations received.
         make_engine: ``(part, group) -> Engine`` for this rank's part and group.
+        engine_groups: the conv workers' process group and the FC workers'
+            (:attr:`convoy.parallel.groups.ProcessGroups.engines`, created on every rank).
         split_at: the child module where the head begins (see ``split_point``).
         loss_fn: per-sample loss, ``(logits, labels) -> losses`` with reduction "none".
         sub_batches: K; conv workers send their activations in K pieces, and the FC
@@ -113,7 +115,8 @@ class HybridParallel(ParallelLayout):
     def __init__(self, model: nn.Module, roles: HybridRoles, rank: int, input_shape: tuple[int, ...],
                  make_engine: EngineFactory, split_at: str | None = None,
                  loss_fn: Callable = nn.functional.cross_entropy, sub_batches: int = 1, servers: int = 0,
-                 grad_accum: int = 1, amp: str | None = None, scaler: LossScaler | None = None):
+                 grad_accum: int = 1, amp: str | None = None, scaler: LossScaler | None = None, *,
+                 engine_groups: tuple[dist.ProcessGroup | None, ...]):
         if sub_batches < 1:
             raise UsageError(f"--sub-batches must be >= 1, got {sub_batches}")
         self.sub_batches = sub_batches
@@ -126,14 +129,13 @@ class HybridParallel(ParallelLayout):
         with torch.no_grad():
             self.feature_shape = tuple(features(torch.zeros(1, *input_shape)).shape[1:])
         names = {id(t): name for name, t in model.state_dict(keep_vars=True).items()}
-        # Every rank must take part in creating both groups.
-        groups = (dist.new_group(list(range(roles.conv_workers))),
-                  dist.new_group(list(range(roles.conv_workers, roles.world_size))))
+        if len(engine_groups) != 2:
+            raise ValueError(f"hybrid parallelism has two engine groups (conv, FC), got {len(engine_groups)}")
         self.part = features if roles.is_conv(rank) else head
         self.group_ranks = list(range(roles.conv_workers) if roles.is_conv(rank)
                                 else range(roles.conv_workers, roles.world_size))
         self._names = {key: names[id(t)] for key, t in self.part.state_dict(keep_vars=True).items()}
-        self.engine = make_engine(self.part, groups[0] if roles.is_conv(rank) else groups[1])
+        self.engine = make_engine(self.part, engine_groups[0] if roles.is_conv(rank) else engine_groups[1])
         self.data_rank = rank if roles.is_conv(rank) else 0
         self.data_world_size = roles.conv_workers
         self.link_bytes_sent = self.link_bytes_received = 0

@@ -23,8 +23,9 @@ from convoy.engine import Engine
 from convoy.engine.gradients import GradientGate, LossScaler
 from convoy.errors import UsageError
 from convoy.parallel.base import ParallelLayout
+from convoy.parallel.groups import ProcessGroups
 from convoy.parallel.precision import Precision
-from convoy.ps.job import PSJob, Shard, build_job, worker_group
+from convoy.ps.job import PSJob, Shard, build_job
 from convoy.ps.push import RowCodec
 from convoy.ps.roles import PSRoles
 from convoy.ps.scheduler import SliceScheduler
@@ -97,11 +98,14 @@ class ParameterServerLayout(ParallelLayout):
         gate: clipping and fp16 unscaling, on the servers (the workers follow
             its decisions); its group must hold every rank of the job when
             there are several servers or a loss scaler.
+        groups: the job's process groups, with ``ps=settings`` (its channels and the workers' group).
 
     Example::
 
-        >>> layout = ParameterServerLayout(model, PSSettings(servers=1), dist.get_rank(), dist.get_world_size(),
-        ...                                torch.optim.SGD, {"lr": 0.05}, torch.zeros(32, 1, 32, 32))
+        >>> settings, world = PSSettings(servers=1), dist.get_world_size()
+        >>> groups = ProcessGroups.create(JobShape(world, servers=1), ps=settings)   # on every rank
+        >>> layout = ParameterServerLayout(model, settings, dist.get_rank(), world, torch.optim.SGD,
+        ...                                {"lr": 0.05}, torch.zeros(32, 1, 32, 32), groups=groups)
         >>> loss, correct = layout.train_step(x, y)   # a worker trains; a server serves the step
     """
 
@@ -110,7 +114,7 @@ class ParameterServerLayout(ParallelLayout):
                  lr_lambda: Callable[[int], float] | None = None,
                  loss_fn: LossFn = nn.functional.cross_entropy, compressor: Compressor | None = None,
                  memory: Memory | None = None, warmup_steps: int = 0, grad_accum: int = 1, amp: str | None = None,
-                 scaler: LossScaler | None = None, gate: GradientGate | None = None):
+                 scaler: LossScaler | None = None, gate: GradientGate | None = None, *, groups: ProcessGroups):
         self.roles = PSRoles.colocate(world_size) if settings.colocated else PSRoles(settings.servers, world_size)
         self.model, self.rank, self.settings, self.loss_fn = model, rank, settings, loss_fn
         self.precision = Precision(grad_accum, amp, scaler)
@@ -118,11 +122,13 @@ class ParameterServerLayout(ParallelLayout):
         self.server_engine: Engine | None = None   # colocated: this rank's shard
         self._shared = False   # colocated: the shards restored from a checkpoint were shared
         self._served = (0, 0)    # colocated: the server's traffic at the last step_metrics
-        # Process groups are created collectively, in the same order on every rank.
+        if groups.channels is None or groups.channels.roles != self.roles:
+            raise ValueError("groups must be created with this layout's settings: "
+                             "ProcessGroups.create(..., ps=settings)")
         codec = RowCodec(CompressionPipeline(compressor, None, warmup_steps))
-        self.job = build_job(model, self.roles, rank, settings, example, codec)
+        self.job = build_job(model, groups.channels, settings, example, codec)
         self.routing = self.job.pull
-        self.worker_group = worker_group(self.roles)
+        self.worker_group = groups.ps_workers
         self.timeline = (Timeline(rank, self._role(), settings.trace_steps) if settings.trace_steps else None)
         self.data_world_size = self.roles.num_workers
         if settings.colocated:
@@ -262,7 +268,7 @@ class HybridServer(ParallelLayout):
     Args:
         job: the job's structure (built with the conv layers' workers and the head's).
         rank: this server's global rank.
-        conv_ranks, fc_ranks: the two groups (created here too: group creation is collective).
+        conv_ranks, fc_ranks: the two groups' ranks.
         optimizer_class, hyper, lr_lambda: the update the server runs.
         timeline: records spans for the Chrome trace, or ``None``.
         gate: clipping and fp16 unscaling of this server's layers, its group the
@@ -275,8 +281,6 @@ class HybridServer(ParallelLayout):
                  gate: GradientGate | None = None):
         self.job, self.rank, self.timeline = job, rank, timeline
         self._fc_first = fc_ranks[0]
-        dist.new_group(conv_ranks)   # the same groups, in the same order, as HybridParallel
-        dist.new_group(fc_ranks)
         self.data_rank, self.data_world_size = 0, len(conv_ranks)
         self.engine = server_engine(job, rank, optimizer_class, hyper, lr_lambda, timeline, gate)
 

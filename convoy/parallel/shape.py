@@ -5,8 +5,10 @@ size by ``TrainConfig.job_shape``, before any worker starts and again in
 every worker; this module knows nothing of the configuration), and handed to
 everything that used to work it out for itself: the data sampler (how many
 ranks split a global batch), the layouts (roles), hierarchical sync (the
-groups it clusters). As torchtitan's ``ParallelDims``: one frozen value, so
-two parts of the code can never disagree about the job.
+groups it clusters), and :meth:`convoy.parallel.groups.ProcessGroups.create`,
+which makes the job's process groups from it, once. As torchtitan's
+``ParallelDims``: one frozen value, so two parts of the code can never
+disagree about the job.
 
 Example::
 

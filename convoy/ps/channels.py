@@ -23,45 +23,32 @@ from convoy.ps.roles import PSRoles
 class Channels:
     """The process groups of every (server, worker, channel) triple this rank belongs to.
 
-    Every rank of the job must construct it, in the same order (creating a
-    process group is collective).
+    The groups are created by :func:`convoy.parallel.groups.ProcessGroups.create`
+    (on every rank, in one order, as torch requires).
 
     Args:
         roles: who serves and who trains.
         count: C, channels per server-worker pair.
         rank: this process's global rank.
-        acks: also one acknowledgement connection per pair of ranks.
+        groups: this rank's channels: ``(server, worker, channel) -> group``.
+        ack_groups: this rank's acknowledgement connections: ``(low rank, high rank) -> group``
+            (empty: the job has no acknowledgements).
 
     Example::
 
-        >>> channels = Channels(PSRoles(1, 3), count=2, rank=dist.get_rank())
+        >>> channels = ProcessGroups.create(JobShape(3, servers=1), ps=PSSettings(channels=2)).channels
         >>> channels.id(0, 2, 1)
         3
     """
 
-    def __init__(self, roles: PSRoles, count: int, rank: int, acks: bool = False):
+    def __init__(self, roles: PSRoles, count: int, rank: int,
+                 groups: dict[tuple[int, int, int], dist.ProcessGroup | None],
+                 ack_groups: dict[tuple[int, int], dist.ProcessGroup | None] | None = None):
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         self.roles, self.count, self.rank = roles, count, rank
-        self._groups: dict[tuple[int, int, int], dist.ProcessGroup] = {}
-        self._ack_groups: dict[tuple[int, int], dist.ProcessGroup] = {}
-        for server in roles.server_ranks:
-            for worker in roles.workers:
-                if server == worker:   # a colocated rank's own shard: pushed and pulled in memory
-                    continue
-                for channel in range(count):
-                    group = dist.new_group([server, worker])
-                    if rank in (server, worker):
-                        self._groups[(server, worker, channel)] = group
-        if acks:
-            self._make_ack_groups(rank)
-
-    def _make_ack_groups(self, rank: int) -> None:
-        pairs = {tuple(sorted((s, w))) for s in self.roles.server_ranks for w in self.roles.workers if s != w}
-        for pair in sorted(pairs):
-            group = dist.new_group(list(pair))
-            if rank in pair:
-                self._ack_groups[pair] = group
+        self._groups = dict(groups)
+        self._ack_groups = dict(ack_groups or {})
 
     def ack_group(self, a: int, b: int) -> dist.ProcessGroup | None:
         """The acknowledgement connection of ranks ``a`` and ``b`` (None: the job has no acknowledgements)."""

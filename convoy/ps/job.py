@@ -22,7 +22,6 @@ from typing import Sequence
 import dataclasses
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from convoy.ps.channels import Channels
@@ -95,17 +94,19 @@ class PSJob:
         return sum(p.numel() for p in self.layers[layer][2])
 
 
-def build_job(model: nn.Module, roles: PSRoles, rank: int, settings: PSSettings, example: torch.Tensor,
+def build_job(model: nn.Module, channels: Channels, settings: PSSettings, example: torch.Tensor,
               codec: RowCodec, layer_workers: Sequence[Sequence[int]] | None = None,
               first_step: int = 0) -> PSJob:
     """This rank's copy of the job's structure; a collective over the default group.
 
     Args:
+        channels: this rank's connections (:class:`convoy.parallel.groups.ProcessGroups`'s); their
+            roles and rank are the job's and this process's.
         layer_workers: per layer of ``model``, the worker ranks that train it
             (default: every worker trains every layer).
         first_step: the step training starts at (the push capacity is the densest row from there on).
     """
-    channels = Channels(roles, settings.channels, rank, acks=settings.acked)
+    roles, rank = channels.roles, channels.rank
     plan = agree_on_plan(model, roles, rank, settings.priority, example)
     whole = model_layers(model)
     shards = plan_shards(model, roles, settings)
@@ -240,8 +241,3 @@ class Shard(nn.Module):
 
     def forward(self, *args: object) -> None:
         raise RuntimeError("a server's shard is updated, never run")
-
-
-def worker_group(roles: PSRoles) -> dist.ProcessGroup:
-    """The workers' group (evaluation statistics); a collective over the default group."""
-    return dist.new_group(roles.workers)

@@ -94,8 +94,9 @@ class AllReduce(SyncStrategy):
 
     Example::
 
-        >>> strategy = AllReduce(dist.new_group())
-        >>> sparse = AllReduce(dist.new_group(), BlockTopKCompressor(1), ResidualMemory())
+        >>> group = ProcessGroups.create(JobShape(dist.get_world_size())).engines[0]   # on every rank
+        >>> strategy = AllReduce(group)
+        >>> sparse = AllReduce(group, BlockTopKCompressor(1), ResidualMemory())
     """
 
     # Whether the final payload goes to a receiver that took no part in the

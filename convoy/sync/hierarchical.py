@@ -19,6 +19,7 @@ each rank's own file (:meth:`Hierarchical.state_tensors`).
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -53,38 +54,37 @@ class _PendingStar(PendingSync):
         return self._finish()
 
 
-class _ClusterGroups:
+@dataclass(frozen=True)
+class ClusterGroups:
     """The process groups of one cluster: point-to-point gradients, parameters, and collectives.
 
     Separate groups keep the three kinds of traffic, issued at different
     moments of a step, from being matched against each other.
     """
 
-    def __init__(self, members: list[int]):
-        self.members = members
-        self.grads = dist.new_group(members)
-        self.params = dist.new_group(members)
-        self.agree = dist.new_group(members)
+    members: list[int]
+    grads: Any
+    params: Any
+    agree: Any
 
 
+@dataclass(frozen=True)
 class ClusterNetwork:
     """Every process group a plan needs: per cluster (gradients, parameters,
-    collectives) and one for the servers' exchange.
+    collectives) and one for the servers' exchange (empty and ``None`` without torch.distributed).
 
-    Every rank of the job builds it, in the same order, also the ranks outside
-    the plan (the other group of a hybrid job): process groups are created
-    collectively.
+    Built by :func:`convoy.parallel.groups.cluster_network` on every rank of the
+    job, in the same order, also the ranks outside the plan (the other group of
+    a hybrid job): process groups are created collectively.
 
     Example::
 
-        >>> conv, fc = ClusterNetwork(conv_plan), ClusterNetwork(fc_plan)   # on every rank
-        >>> sync = Hierarchical(conv_plan, 4, network=conv)                 # on the conv ranks
+        >>> conv, fc = cluster_network(conv_plan), cluster_network(fc_plan)   # on every rank
+        >>> sync = Hierarchical(conv_plan, 4, network=conv)                   # on the conv ranks
     """
 
-    def __init__(self, plan: ClusterPlan):
-        ready = dist.is_initialized()
-        self.clusters = [_ClusterGroups(members) for members in plan.clusters] if ready else []
-        self.inter = dist.new_group(sorted(plan.ranks())) if ready else None
+    clusters: list[ClusterGroups]
+    inter: Any
 
 
 class Hierarchical(AllReduce):
@@ -100,26 +100,24 @@ class Hierarchical(AllReduce):
         last_step: the job's last step, also an exchange, so that training ends
             with one model on every rank whatever T (None: no such step).
         network: the plan's process groups, built on every rank beforehand
-            (None: built here, which every rank of the job must then construct).
+            (:func:`convoy.parallel.groups.cluster_network`).
 
     Pass ``listeners=strategy.listeners()`` to the engine: the exchange runs
-    as each layer's update becomes final. Every rank of the default group must
-    construct it at the same point (it creates process groups).
+    as each layer's update becomes final.
 
     Example::
 
         >>> plan = plan_job(DEFAULT_WEIGHTS, clusters=2, reelect_every=4)
-        >>> sync = Hierarchical(plan, exchange_every=4)
+        >>> sync = Hierarchical(plan, exchange_every=4, network=cluster_network(plan))   # on every rank
         >>> engine = Engine(model, torch.optim.SGD, sync, listeners=sync.listeners(), lr=0.05)
     """
 
     def __init__(self, plan: ClusterPlan, exchange_every: int, compressor: Compressor | None = None,
                  memory: Memory | None = None, warmup_steps: int = 0, last_step: int | None = None,
-                 network: ClusterNetwork | None = None):
+                 *, network: ClusterNetwork):
         if exchange_every < 1:
             raise ValueError(f"exchange_every must be >= 1, got {exchange_every}")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        network = network or ClusterNetwork(plan)
         self.inter = network.inter   # servers' point-to-point exchange
         self.plan = plan
         self.cluster = plan.cluster_of(self.rank)

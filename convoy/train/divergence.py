@@ -51,12 +51,12 @@ class DivergenceGuard:
     whichever rank received the signal.
 
     Args:
-        group: the process group of all ranks (None: a world of one).
+        group: the process group of all ranks, the job's ``ProcessGroups.bookkeeping`` (None: a world of one).
         hint: what to try, appended to the message.
 
     Example::
 
-        >>> guard = DivergenceGuard(dist.new_group(), hint="try a lower --lr")
+        >>> guard = DivergenceGuard(groups.bookkeeping, hint="try a lower --lr")
         >>> for step, batch in enumerate(batches):
         ...     if guard.check(step, layout.train_step(*batch)[0], stop=request.signum):
         ...         break   # every rank breaks here, after the same step

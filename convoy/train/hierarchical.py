@@ -31,6 +31,7 @@ from convoy.compress import Compressor, Memory
 from convoy.errors import UsageError
 from convoy.utils.atomic import save_atomically
 from convoy.parallel.shape import JobShape
+from convoy.parallel.groups import cluster_network
 from convoy.sync.hierarchical import ClusterNetwork, Hierarchical
 from convoy.train.config import TrainConfig
 from convoy.train.elastic import job_record, node_of_ranks, writers_of
@@ -72,7 +73,7 @@ def build_hierarchy(config: TrainConfig, ctx: runtime.Context, shape: JobShape) 
              for group in shape.engine_groups]
     if old_world[0] is not None:
         _map_onto(config, ctx, plans[0], old_world[0])
-    return Hierarchy(plans, [ClusterNetwork(plan) for plan in plans])
+    return Hierarchy(plans, [cluster_network(plan) for plan in plans])
 
 
 def _replanned(config: TrainConfig, world: int) -> int | None:

@@ -24,6 +24,7 @@ from convoy.errors import JobStopped, TrainingDiverged, UsageError
 from convoy.models import build_model
 from convoy.utils.atomic import save_atomically
 from convoy.parallel import DataParallel, HybridParallel, ParallelLayout
+from convoy.parallel.groups import ProcessGroups
 from convoy.parallel.shape import JobShape
 from convoy.sync import AllReduce, SyncStrategy, ring_allreduce_bytes
 from convoy.train.config import TrainConfig, save_config
@@ -32,7 +33,8 @@ from convoy.train.ps import build_hybrid_ps_layout, build_ps_layout
 from convoy.train.elastic import adapt_to_checkpoint, finish_resharding, job_record
 from convoy.train.divergence import DivergenceGuard, StopAgreement, divergence_hint
 from convoy.train.metrics import MetricsWriter
-from convoy.train.optim import build_compression, lr_lambda, optimizer_spec, whole_step_group
+from convoy.train.groups import job_groups
+from convoy.train.optim import build_compression, lr_lambda, optimizer_spec
 from convoy.utils.lifetime import StopRequest
 
 @dataclass
@@ -80,20 +82,21 @@ def run(config: TrainConfig, stop: StopRequest | None = None) -> RunSummary:
     # A checkpoint of another number of workers: its global batch is kept, its rank files re-dealt.
     config = adapt_to_checkpoint(config, model, ctx)
     shape = config.job_shape(ctx.world_size)
+    groups = job_groups(config, shape)   # every process group of the job, in one order on every rank
     # A step's samples per worker: --grad-accum micro-batches of --batch-size.
     step_batch = config.data.batch_size * config.optim.grad_accum
     steps_per_epoch = len(GlobalBatchSampler(len(splits.train), step_batch, shape.data_world_size, 0, config.run.seed))
     total_steps = config.run.total_steps(steps_per_epoch)
-    layout = build_layout(config, model, ctx, total_steps, (splits.in_channels, *splits.image_size), shape)
+    layout = build_layout(config, model, ctx, total_steps, (splits.in_channels, *splits.image_size), shape, groups)
     sampler = GlobalBatchSampler(len(splits.train), step_batch, layout.data_world_size, layout.data_rank,
                                  config.run.seed)
-    session = start_checkpoints(config, layout, total_steps, len(sampler))
+    session = start_checkpoints(config, layout, total_steps, len(sampler), groups)
     run_dir = resolve_run_dir(config.run.out, ctx.rank)
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir)
     metrics = MetricsWriter(run_dir, ctx.rank, config.run.logger)
-    guard = DivergenceGuard(dist.new_group() if ctx.world_size > 1 else None,
+    guard = DivergenceGuard(groups.bookkeeping,
                             divergence_hint(config.optim.lr, config.optim.amp, config.optim.clip_grad_norm))
     try:
         summary = _train(config, ctx, layout, splits, sampler, total_steps, metrics, run_dir,
@@ -136,8 +139,9 @@ def _commit_and_stop(summary: RunSummary, session: CheckpointSession | None) -> 
 
 
 def start_checkpoints(config: TrainConfig, layout: ParallelLayout, total_steps: int,
-                      steps_per_epoch: int) -> CheckpointSession | None:
-    """Resume from ``--checkpoint-dir`` if it holds a checkpoint, and checkpoint from now on."""
+                      steps_per_epoch: int, groups: ProcessGroups) -> CheckpointSession | None:
+    """Resume from ``--checkpoint-dir`` if it holds a checkpoint, and checkpoint from now on
+    (``groups``: the job's, whose ``agree_every`` and ``agree_full`` settle "auto" intervals)."""
     if config.checkpoint.dir is None:
         return None
     optimizer_class, hyper = optimizer_spec(config)
@@ -153,18 +157,23 @@ def start_checkpoints(config: TrainConfig, layout: ParallelLayout, total_steps: 
                                   config.checkpoint.budget, config.checkpoint.full_every, job)
     module, group_ranks, full_names = layout.checkpoint_scope()
     return start_checkpointing(settings, module, layout.checkpoint_engine(), optimizer_class, hyper, total_steps,
-                               steps_per_epoch, group_ranks, full_names)
+                               steps_per_epoch, group_ranks, full_names, (groups.agree_every, groups.agree_full))
 
 
 def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, total_steps: int,
-                 input_shape: tuple[int, ...], shape: JobShape | None = None) -> ParallelLayout:
-    """This rank's parallel layout, with an engine (sync strategy, compressor) for its part of the model."""
+                 input_shape: tuple[int, ...], shape: JobShape | None = None,
+                 groups: ProcessGroups | None = None) -> ParallelLayout:
+    """This rank's parallel layout, with an engine (sync strategy, compressor) for its part of the model.
+
+    ``shape`` and ``groups``: the job's, as :func:`run` made them (default: made here, on every rank).
+    """
     shape = shape or config.job_shape(ctx.world_size)
+    groups = groups if groups is not None else job_groups(config, shape)
     optimizer_class, hyper = optimizer_spec(config)
-    # Every rank plans every group's clusters and builds their process groups, before any layout's groups.
+    # Every rank plans every group's clusters and builds their process groups, after the job's others.
     hierarchy = build_hierarchy(config, ctx, shape) if config.sync.strategy == "hierarchical" else None
     scaler = LossScaler() if config.optim.amp == "fp16" else None
-    gate_group = whole_step_group(config, ctx.world_size)
+    gate_group = groups.whole_step
 
     def make_engine(part: nn.Module, group: dist.ProcessGroup | None) -> Engine:
         workers = dist.get_world_size(group) if group is not None else ctx.world_size
@@ -179,18 +188,17 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
                       lr_lambda=lr_lambda(config.optim.lr_schedule, total_steps), gate=gate, **hyper)
 
     if config.sync.strategy == "ps" and config.parallel.layout == "hybrid":
-        return build_hybrid_ps_layout(config, model, ctx, total_steps, input_shape, scaler, gate_group)
+        return build_hybrid_ps_layout(config, model, ctx, total_steps, input_shape, groups, scaler)
     if config.sync.strategy == "ps":
-        return build_ps_layout(config, model, ctx, total_steps, input_shape, scaler, gate_group)
+        return build_ps_layout(config, model, ctx, total_steps, input_shape, groups, scaler)
     if config.parallel.layout == "hybrid":
         return HybridParallel(model, shape.hybrid_roles(), ctx.rank, input_shape, make_engine, config.parallel.split_at,
                               sub_batches=config.parallel.sub_batches, grad_accum=config.optim.grad_accum,
-                              amp=config.optim.amp, scaler=scaler)
-    # A group of its own keeps the engine's collectives from interleaving with
+                              amp=config.optim.amp, scaler=scaler, engine_groups=groups.engines)
+    # The engine's group of its own keeps its collectives from interleaving with
     # the training loop's (evaluation, bookkeeping) on the default group.
-    group = dist.new_group() if ctx.world_size > 1 else None
-    return DataParallel(model, make_engine(model, group), ctx.rank, ctx.world_size, grad_accum=config.optim.grad_accum,
-                        amp=config.optim.amp, scaler=scaler)
+    return DataParallel(model, make_engine(model, groups.engines[0]), ctx.rank, ctx.world_size,
+                        grad_accum=config.optim.grad_accum, amp=config.optim.amp, scaler=scaler)
 
 
 

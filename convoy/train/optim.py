@@ -93,17 +93,10 @@ def build_compression(config: TrainConfig, workers: int) -> tuple[Any, Any]:
     return compressor, memory
 
 
-def whole_step_group(config: TrainConfig, world_size: int) -> Any:
-    """The process group over which a step's whole gradient is spread, for clipping and fp16 loss scaling.
-
-    Every rank of the job, under ``--sync ps`` (each server holds a shard; the
-    workers follow the servers' decision) and ``--parallel hybrid`` (the conv
-    group holds one part, the FC group the other); ``None`` where each rank's
-    engine holds it all, or nothing needs it. A collective: call it on every rank.
-    """
-    import torch.distributed as dist
-
+def needs_whole_step(config: TrainConfig, world_size: int) -> bool:
+    """Whether a step's whole gradient is spread over several ranks' engines for clipping and fp16 loss
+    scaling: under ``--sync ps`` (each server holds a shard; the workers follow the servers' decision)
+    and ``--parallel hybrid`` (the conv group holds one part, the FC group the other). Its group,
+    every rank, is :attr:`convoy.parallel.groups.ProcessGroups.whole_step`."""
     needed = config.optim.clip_grad_norm is not None or config.optim.amp == "fp16"
-    if not needed or world_size == 1 or (config.sync.strategy != "ps" and config.parallel.layout != "hybrid"):
-        return None
-    return dist.new_group()
+    return needed and world_size > 1 and (config.sync.strategy == "ps" or config.parallel.layout == "hybrid")

@@ -10,10 +10,10 @@ from convoy.engine import Engine
 from convoy.engine.gradients import GradientGate, LossScaler
 from convoy.models import split_point
 from convoy.parallel import HybridParallel, HybridRoles, ParallelLayout
+from convoy.parallel.groups import ProcessGroups
 from convoy.parallel.ps import HybridServer, ParameterServerLayout, worker_engine
 from convoy.ps.job import build_job
 from convoy.ps.push import RowCodec
-from convoy.ps.roles import PSRoles
 from convoy.ps.settings import PSSettings
 from convoy.ps.timeline import Timeline
 from convoy.ps.trace_graph import model_layers
@@ -41,10 +41,10 @@ def gate(config: TrainConfig, scaler: LossScaler | None, group: dist.ProcessGrou
 
 
 def build_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, total_steps: int,
-                    input_shape: tuple[int, ...], scaler: LossScaler | None = None,
-                    gate_group: dist.ProcessGroup | None = None) -> ParameterServerLayout:
-    """This rank's server or worker, with the settings of ``config`` (``scaler``: fp16's, one per rank;
-    ``gate_group``: every rank, when clipping or loss scaling needs the whole step's norm)."""
+                    input_shape: tuple[int, ...], groups: ProcessGroups,
+                    scaler: LossScaler | None = None) -> ParameterServerLayout:
+    """This rank's server or worker, with the settings of ``config`` (``groups``: the job's, created with
+    them; ``scaler``: fp16's, one per rank)."""
     settings = ps_settings(config)
     optimizer_class, hyper = optimizer_spec(config)
     workers = ctx.world_size if settings.colocated else ctx.world_size - settings.servers
@@ -54,12 +54,12 @@ def build_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context,
                                  lr_lambda(config.optim.lr_schedule, total_steps), compressor=compressor, memory=memory,
                                  warmup_steps=config.compress.warmup(), grad_accum=config.optim.grad_accum,
                                  amp=config.optim.amp, scaler=scaler,
-                                 gate=gate(config, scaler, gate_group))
+                                 gate=gate(config, scaler, groups.whole_step), groups=groups)
 
 
 def build_hybrid_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, total_steps: int,
-                           input_shape: tuple[int, ...], scaler: LossScaler | None = None,
-                           gate_group: dist.ProcessGroup | None = None) -> ParallelLayout:
+                           input_shape: tuple[int, ...], groups: ProcessGroups,
+                           scaler: LossScaler | None = None) -> ParallelLayout:
     """Hybrid parallelism whose two groups exchange through parameter servers (the job's last ranks).
 
     Conv ranks push the conv layers and FC ranks the head, each to the layer's
@@ -73,26 +73,28 @@ def build_hybrid_ps_layout(config: TrainConfig, model: nn.Module, ctx: runtime.C
     fc_ranks = list(range(roles.conv_workers, roles.world_size))
     features, _ = split_point(model, config.parallel.split_at)
     in_features = {id(m) for m in features.modules()}
-    ps_roles = PSRoles(settings.servers, ctx.world_size, servers_last=True)
+    if groups.channels is None:
+        raise ValueError("the job's groups were created without its ps settings")
+    ps_roles = groups.channels.roles
     layer_workers = [conv_ranks if id(module) in in_features else fc_ranks for _, module, _ in model_layers(model)]
     optimizer_class, hyper = optimizer_spec(config)
     compressor, memory = build_compression(config, roles.conv_workers)
     schedule = lr_lambda(config.optim.lr_schedule, total_steps)
     codec = RowCodec(CompressionPipeline(compressor, None, config.compress.warmup()))
-    job = build_job(model, ps_roles, ctx.rank, settings, example_batch(config, input_shape, ctx.device), codec,
+    job = build_job(model, groups.channels, settings, example_batch(config, input_shape, ctx.device), codec,
                     layer_workers)
     timeline = (Timeline(ctx.rank, "server" if ps_roles.is_server(ctx.rank) else "worker", settings.trace_steps)
                 if settings.trace_steps else None)
     if ps_roles.is_server(ctx.rank):
         return HybridServer(job, ctx.rank, conv_ranks, fc_ranks, optimizer_class, hyper, schedule, timeline,
-                            gate(config, scaler, gate_group))
+                            gate(config, scaler, groups.whole_step))
 
     def make_engine(part: nn.Module, group: dist.ProcessGroup) -> Engine:
         part_compressor, part_memory = build_compression(config, dist.get_world_size(group))
         # ``group`` is exactly the workers of ``part``'s layers, and the engine's own: PowerSGD agrees over it.
         return worker_engine(job, ctx.rank, part, optimizer_class, hyper, schedule, part_compressor, part_memory,
-                             config.compress.warmup(), timeline, group, gate(config, scaler, gate_group))
+                             config.compress.warmup(), timeline, group, gate(config, scaler, groups.whole_step))
 
     return HybridParallel(model, roles, ctx.rank, input_shape, make_engine, config.parallel.split_at,
                           sub_batches=config.parallel.sub_batches, servers=settings.servers, grad_accum=config.optim.grad_accum,
-                          amp=config.optim.amp, scaler=scaler)
+                          amp=config.optim.amp, scaler=scaler, engine_groups=groups.engines)

@@ -11,6 +11,8 @@ from torch import nn
 from convoy.engine import Engine
 from convoy.errors import UsageError
 from convoy.parallel import HybridParallel, HybridRoles
+from convoy.parallel.groups import ProcessGroups
+from convoy.parallel.shape import JobShape
 from convoy.sync import AllReduce
 from tests.helpers import convoy_in_process, digits, digits_batches, one_line_error, run_workers, seeded_model
 
@@ -30,9 +32,11 @@ def _build(name: str) -> nn.Module:
 
 def _hybrid_worker(rank: int, world: int, conv: int, fc: int, name: str, batch: int, sub_batches: int):
     roles = HybridRoles(conv, fc)
+    groups = ProcessGroups.create(JobShape(world, conv_workers=conv, fc_workers=fc))   # on every rank
     layout = HybridParallel(_build(name), roles, rank, (1, 32, 32),
                             lambda part, group: Engine(part, torch.optim.SGD, AllReduce(group),
-                                                       lr=LR, momentum=MOMENTUM), sub_batches=sub_batches)
+                                                       lr=LR, momentum=MOMENTUM), sub_batches=sub_batches,
+                            engine_groups=groups.engines)
     batches = digits_batches(conv, layout.data_rank, batch, STEPS)
     per_step = []
     for x, y in batches:

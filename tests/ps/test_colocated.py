@@ -14,7 +14,7 @@ from convoy.parallel.ps import ParameterServerLayout
 from convoy.ps import PSSettings
 from convoy.ps.wire import HEADER_BYTES
 from convoy.sync import AllReduce
-from tests.helpers import digits_batches, flat, run_workers, seeded_model
+from tests.helpers import digits_batches, flat, ps_groups, run_workers, seeded_model
 
 WORLD, STEPS, BATCH = 3, 15, 8
 HYPER = {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
@@ -32,7 +32,8 @@ def _train_colocated(rank: int, world: int, priority: str, kwargs: dict, compres
     model = seeded_model("lenet")
     compress, memory = COMPRESSORS[compressor]() if compressor else (None, None)
     layout = ParameterServerLayout(model, settings, rank, world, torch.optim.SGD, HYPER,
-                                   torch.zeros(BATCH, 1, 32, 32), compressor=compress, memory=memory)
+                                   torch.zeros(BATCH, 1, 32, 32), compressor=compress, memory=memory,
+                                   groups=ps_groups(settings, world))
     losses = []
     for x, y in digits_batches(world, layout.data_rank, BATCH, STEPS):
         losses.append(layout.train_step(x, y)[0])

@@ -22,7 +22,7 @@ from convoy.ps import PSSettings
 from convoy.ps.scheduler import SliceScheduler, Transfer
 from convoy.ps.wire import ACK_TAG, HEADER_BYTES, HEADER_TAG, payload_tag
 from convoy.sync import AllReduce
-from tests.helpers import digits_batches, flat, free_port, run_workers, seeded_model
+from tests.helpers import digits_batches, flat, free_port, ps_groups, run_workers, seeded_model
 
 WORLD, STEPS, BATCH = 4, 20, 4
 LR, MOMENTUM, WD = 0.05, 0.9, 1e-4
@@ -51,7 +51,7 @@ def _train_ps(rank: int, world: int, servers: int, mode: str, kwargs: dict, trac
     model = seeded_model("lenet")
     compressor, memory = _sparse() if compressed else (None, None)
     layout = ParameterServerLayout(model, settings, rank, world, torch.optim.SGD, HYPER, torch.zeros(BATCH, 1, 32, 32),
-                                   compressor=compressor, memory=memory)
+                                   compressor=compressor, memory=memory, groups=ps_groups(settings, world))
     for x, y in _batches(world - servers, layout.data_rank):
         layout.train_step(x, y)
     layout.engine.synchronize()

@@ -17,7 +17,7 @@ from convoy.engine import Engine
 from convoy.parallel.ps import ParameterServerLayout
 from convoy.ps import PSSettings
 from convoy.sync import AllReduce
-from tests.helpers import convoy_in_process, digits_batches, flat, run_workers, seeded_model
+from tests.helpers import convoy_in_process, digits_batches, flat, ps_groups, run_workers, seeded_model
 
 WORLD, SERVERS, STEPS, BATCH = 3, 1, 8, 4
 HYPER = {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
@@ -32,7 +32,8 @@ def _train_ps(rank: int, world: int) -> torch.Tensor | None:
     model = seeded_model("lenet")
     compressor, memory = _powersgd()
     layout = ParameterServerLayout(model, settings, rank, world, torch.optim.SGD, HYPER,
-                                   torch.zeros(BATCH, 1, 32, 32), compressor=compressor, memory=memory)
+                                   torch.zeros(BATCH, 1, 32, 32), compressor=compressor, memory=memory,
+                                   groups=ps_groups(settings, world))
     for x, y in digits_batches(world - SERVERS, layout.data_rank, BATCH, STEPS):
         layout.train_step(x, y)
     layout.engine.synchronize()

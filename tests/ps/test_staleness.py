@@ -18,7 +18,7 @@ from torch import nn
 from convoy.errors import UsageError
 from convoy.parallel.ps import ParameterServerLayout
 from convoy.ps import PSSettings
-from tests.helpers import convoy_in_process, digits_batches, flat, run_workers, seeded_model
+from tests.helpers import convoy_in_process, digits_batches, flat, ps_groups, run_workers, seeded_model
 
 WORLD, STEPS, BATCH = 3, 10, 8
 HYPER = {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
@@ -33,7 +33,7 @@ def _layout(rank: int, world: int, staleness: int, priority: str = "graph") -> P
     settings = PSSettings.resolve(servers="colocated", priority=priority, staleness=staleness,
                                   **(SMALL_SLICES if priority == "graph" else {}))
     return ParameterServerLayout(seeded_model("lenet"), settings, rank, world, torch.optim.SGD, HYPER,
-                                 torch.zeros(BATCH, 1, 32, 32))
+                                 torch.zeros(BATCH, 1, 32, 32), groups=ps_groups(settings, world))
 
 
 def _finish(layout: ParameterServerLayout) -> dict:

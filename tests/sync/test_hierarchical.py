@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from convoy.cluster import DEFAULT_WEIGHTS, Election, NodeProfile, load_profile_file, make_plan, plan_job
 from convoy.compress import FP16Compressor, ResidualMemory, TopKCompressor
 from convoy.engine import Engine
+from convoy.parallel.groups import cluster_network
 from convoy.sync import AllReduce, Hierarchical
 from tests.helpers import digits_batches, flat, profile_toml, run_workers, seeded_model
 
@@ -49,20 +50,23 @@ def _worker(rank: int, world: int, profile_path: str):
     out = {}
     # 1. One cluster against flat all-reduce.
     out["flat"] = _train(rank, world, AllReduce(dist.new_group()), STEPS)[0]
-    out["one"] = _train(rank, world, Hierarchical(_plan(clusters=1), exchange_every=3), STEPS)[0]
+    one = _plan(clusters=1)
+    out["one"] = _train(rank, world, Hierarchical(one, exchange_every=3, network=cluster_network(one)), STEPS)[0]
     # 2. The clusters of a profile file, found through the real path (profiling, rank 0, broadcast).
     plan = plan_job(dict(DEFAULT_WEIGHTS), "auto", seed=0, reelect_every=1, overrides=load_profile_file(profile_path))
     out["clusters"] = plan.clusters
     out["servers"] = [plan.servers(c) for c in range(4)]
     # 3. Two clusters, exchange every 2 batches, re-election every cycle: parameters after every batch.
-    sync = Hierarchical(plan, exchange_every=2)
+    sync = Hierarchical(plan, exchange_every=2, network=cluster_network(plan))
     out["two"] = _train(rank, world, sync, 8, check_every_step=True)
     # 4. Identical data on every rank: the clusters agree, so the weights are the size shares (1 and 3 nodes).
-    out["agree"] = _train(rank, world, Hierarchical(_plan(sizes_first_alone=True), exchange_every=2), 6,
+    alone = _plan(sizes_first_alone=True)
+    out["agree"] = _train(rank, world, Hierarchical(alone, exchange_every=2, network=cluster_network(alone)), 6,
                           same_data=True)[1]
     # 5. Composition with compression: summable (fp16) and relayed (top-k) payloads.
     for name, compressor in (("fp16", FP16Compressor()), ("topk", TopKCompressor(0.05))):
-        hier = Hierarchical(_plan(), exchange_every=3, compressor=compressor, memory=ResidualMemory())
+        hier = Hierarchical(_plan(), exchange_every=3, compressor=compressor, memory=ResidualMemory(),
+                            network=cluster_network(_plan()))
         out[name] = _train(rank, world, hier, 6, check_every_step=True)
     return out
 
