@@ -117,3 +117,35 @@ def test_no_module_imports_another_ones_private_names() -> None:
              if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("convoy"))
              for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
     assert not found, "\n".join(found)
+
+
+# The one module that creates process groups: torch needs every rank to create every group, in one order.
+GROUP_OWNERS = {"convoy/parallel/groups.py"}
+
+
+def _creates_groups(path: str, text: str) -> list[str]:
+    """Where ``text`` names ``new_group`` (a call, an alias, an import) or shows a call of it in a docstring."""
+    named = {node.lineno for node in ast.walk(ast.parse(text, path))
+             if (isinstance(node, ast.Attribute) and node.attr == "new_group")
+             or (isinstance(node, ast.Name) and node.id == "new_group")
+             or (isinstance(node, ast.alias) and node.name == "new_group")}
+    return [f"{path}:{number}: {line.strip()}" for number, line in enumerate(text.splitlines(), 1)
+            if number in named or "new_group(" in line]
+
+
+def test_the_group_check_finds_each_way_of_creating_a_group() -> None:
+    bad = ('group = dist.new_group([0, 1])\n'
+           'from torch.distributed import new_group\n'
+           'make = torch.distributed.new_group\n'
+           '"""\n    >>> AllReduce(dist.new_group())\n"""\n')
+    assert len(_creates_groups("bad.py", bad)) == 4
+    assert _creates_groups("good.py", 'sync = AllReduce(groups.engines[0])\ngroup = self.groups.agree\n') == []
+
+
+def test_process_groups_are_created_only_where_the_job_owns_them() -> None:
+    """Every ``dist.new_group`` of convoy is in :mod:`convoy.parallel.groups` (``ProcessGroups.create``
+    and ``cluster_network``), so every rank creates the job's groups in one place and one order;
+    components receive theirs."""
+    found = [line for path, text in _convoy_sources() if path not in GROUP_OWNERS
+             for line in _creates_groups(path, text)]
+    assert not found, "\n".join(found)
