@@ -1,6 +1,7 @@
 """ProcessGroups: the job's groups, created once on every rank, hold the ranks the job's shape says."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -44,6 +45,7 @@ def _members(rank: int, world: int) -> dict:
             "acks": {pair: _ranks(channels.ack_group(*pair)) for pair in ((0, 3), (1, 3), (2, 3))}}
 
 
+@pytest.mark.timeout(120)
 def test_every_group_holds_the_ranks_the_shape_says():
     from tests.helpers import run_workers
 
