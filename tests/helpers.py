@@ -32,9 +32,10 @@ CLI_TIMEOUT_S = 120
 
 # Forked worlds start from a server process that imported these once (seconds each), not from a
 # fresh interpreter per rank; each rank is still a process of its own with its own gloo group.
+# scikit-learn too: convoy.data.digits imports it only when digits are loaded, which every rank does.
 _PRELOAD = ["torch", "torch.distributed", "torch.nn.functional", "torch._dynamo", "convoy", "convoy.data",
             "convoy.engine", "convoy.sync", "convoy.compress", "convoy.parallel", "convoy.cli.main",
-            "convoy.train.loop"]
+            "convoy.train.loop", "sklearn.datasets", "sklearn.model_selection"]
 _FORKSERVER = multiprocessing.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(_PRELOAD)
 
