@@ -295,8 +295,13 @@ def kill_at_checkpoint(args: tuple[str, ...] | list[str], checkpoints: Path, fil
     The kill is placed by the job's progress, not by the clock, so a fast machine cannot finish the
     job before it; ``delay_s`` (a small seeded draw) moves it to a random point of a later step.
     Fails when the job ends, or gets no checkpoint within ``timeout_s``, before the kill.
+
+    The launcher's ranks are forked from a fork server (``kill_when``'s ``forked``), as the
+    random-kill test's are: real processes of their own, every one of them killed, that skip an
+    interpreter start and torch's import each (seconds of CPU a rank). What a kill test checks is
+    what the checkpoint files hold; how a fresh rank starts and dies is tests/cli/test_robust.py's.
     """
-    killed = kill_when(args, checkpoints, files, step, delay_s, timeout_s)
+    killed = kill_when(args, checkpoints, files, step, delay_s, timeout_s, forked=True)
     assert killed, "the job ended before the kill"
 
 
