@@ -11,11 +11,13 @@ import io
 import multiprocessing
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,9 +34,10 @@ CLI_TIMEOUT_S = 120
 
 # Forked worlds start from a server process that imported these once (seconds each), not from a
 # fresh interpreter per rank; each rank is still a process of its own with its own gloo group.
+# scikit-learn too: convoy.data.digits imports it only when digits are loaded, which every rank does.
 _PRELOAD = ["torch", "torch.distributed", "torch.nn.functional", "torch._dynamo", "convoy", "convoy.data",
             "convoy.engine", "convoy.sync", "convoy.compress", "convoy.parallel", "convoy.cli.main",
-            "convoy.train.loop"]
+            "convoy.train.loop", "sklearn.datasets", "sklearn.model_selection"]
 _FORKSERVER = multiprocessing.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(_PRELOAD)
 
@@ -123,18 +126,24 @@ def convoy_in_process(*args: str, env: dict[str, str] | None = None) -> subproce
                                            err_fd.read() + err.getvalue())
 
 
-class ForkedRank:
-    """A worker of convoy's launcher forked from the tests' fork server, with the part of
-    :class:`subprocess.Popen` the launcher uses (``pid``, ``poll``, ``wait``, ``returncode``).
+# Where ForkedRank forks a rank from: the session's fork server, except in a launcher that
+# kill_when forked from it (_forked_launcher_main), which forks its ranks itself.
+_rank_context: multiprocessing.context.BaseContext = _FORKSERVER
+# The threads such a launcher had when it started (None elsewhere): it may fork only while it has
+# started none, since a lock a thread holds at the fork stays held in the child for good.
+_launcher_threads: int | None = None
 
-    The rank runs ``python -m convoy ARGV[3:]`` as ``convoy.cli.main.main(ARGV[3:])`` in a process
-    of its own: in its own process group (what ``process_group=0`` asks), in the launcher's current
-    directory and environment, its output on the launcher's file descriptors 1 and 2.
-    """
 
-    def __init__(self, argv: list[str], env: dict[str, str], **_: Any):
-        assert argv[1:3] == ["-m", "convoy"], argv
-        self._process = _FORKSERVER.Process(target=_forked_rank_main, args=(argv[3:], env, os.getcwd(), os.getpid()))
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+class _Forked:
+    """A started multiprocessing process with the part of :class:`subprocess.Popen` that convoy's
+    launcher and :func:`kill_when` use (``pid``, ``poll``, ``wait``, ``returncode``)."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess):
+        self._process = process
         self._process.start()
         self.pid = self._process.pid
         self.returncode: int | None = None
@@ -147,6 +156,24 @@ class ForkedRank:
     def wait(self, timeout: float | None = None) -> int | None:
         self._process.join(timeout)
         return self.poll()
+
+
+class ForkedRank(_Forked):
+    """A worker of convoy's launcher forked from the tests' fork server, with the part of
+    :class:`subprocess.Popen` the launcher uses (``pid``, ``poll``, ``wait``, ``returncode``).
+
+    The rank runs ``python -m convoy ARGV[3:]`` as ``convoy.cli.main.main(ARGV[3:])`` in a process
+    of its own: in its own process group (what ``process_group=0`` asks), in the launcher's current
+    directory and environment, its output on the launcher's file descriptors 1 and 2.
+    """
+
+    def __init__(self, argv: list[str], env: dict[str, str], **_: Any):
+        assert argv[1:3] == ["-m", "convoy"], argv
+        if _launcher_threads is not None and _threads() != _launcher_threads:
+            raise RuntimeError(f"the launcher runs {_threads()} threads, not the {_launcher_threads} it began with: "
+                               "a rank forked from it could inherit a lock held for good")
+        super().__init__(_rank_context.Process(target=_forked_rank_main,
+                                               args=(argv[3:], env, os.getcwd(), os.getpid())))
 
 
 def _forked_rank_main(argv: list[str], env: dict[str, str], cwd: str, launcher: int) -> None:
@@ -290,8 +317,57 @@ def profile_toml(slow: tuple[int, ...], disk: object = 400) -> str:
     return fast + "".join(f"[ranks.{rank}]\ncpu_mhz = 1200\nuplink_mbps = 50\n" for rank in slow)
 
 
-_FORKED_LAUNCHER = ("import sys; from tests.helpers import convoy_in_process; "
-                    "r = convoy_in_process(*sys.argv[1:]); sys.stderr.write(r.stderr); sys.exit(r.returncode)")
+class _ForkedLauncher(_Forked):
+    """``convoy train ARGS`` with a launcher forked from the tests' fork server (:func:`kill_when`'s
+    ``forked``), with the part of :class:`subprocess.Popen` that kill_when uses; what it printed on
+    stderr is in the file ``stderr``."""
+
+    def __init__(self, args: list[str], stderr: Path):
+        self._stderr = stderr
+        super().__init__(_FORKSERVER.Process(target=_forked_launcher_main,
+                                             args=(args, os.getcwd(), dict(os.environ), str(stderr))))
+        # Returns, as Popen(start_new_session=True) does, once the launcher leads a session of its own:
+        # a kill of its process group cannot come before there is one.
+        while self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):   # ended, its status not read yet
+                if os.getsid(self.pid) == self.pid:
+                    break
+            time.sleep(0.001)
+
+    def communicate(self) -> tuple[None, str]:
+        self.wait()
+        return None, self._stderr.read_text() if self._stderr.exists() else ""
+
+
+def _forked_launcher_main(args: list[str], cwd: str, env: dict[str, str], stderr: str) -> None:
+    """``convoy train ARGS`` as :func:`convoy_in_process` runs it, in a session of its own (as
+    ``start_new_session`` gives a new process), its ranks forked from this process.
+
+    Forked from the fork server, this process has torch, scikit-learn and convoy imported and has
+    run nothing: forking its ranks from it (not from a fork server of its own, a fresh interpreter
+    that would import them all again) is safe while it starts no thread, which ForkedRank checks.
+    """
+    global _rank_context, _launcher_threads
+    import threading
+
+    from tqdm import tqdm
+
+    os.setsid()
+    # Each rank's progress bar would make tqdm's default lock, a semaphore registered with the
+    # session's resource tracker: a killed rank cannot unregister it, and the tracker reports it as
+    # leaked when the session ends. A thread lock set here, which every rank inherits, leaves none.
+    tqdm.set_lock(threading.RLock())
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    _rank_context, _launcher_threads = multiprocessing.get_context("fork"), _threads()
+    try:
+        result = convoy_in_process("train", *args)
+    except BaseException:   # kill_when's failure message shows it
+        Path(stderr).write_text(traceback.format_exc())
+        raise
+    Path(stderr).write_text(result.stderr)
+    sys.exit(result.returncode)
 
 
 def kill_at_checkpoint(args: tuple[str, ...] | list[str], checkpoints: Path, files: int, step: int,
@@ -302,8 +378,13 @@ def kill_at_checkpoint(args: tuple[str, ...] | list[str], checkpoints: Path, fil
     The kill is placed by the job's progress, not by the clock, so a fast machine cannot finish the
     job before it; ``delay_s`` (a small seeded draw) moves it to a random point of a later step.
     Fails when the job ends, or gets no checkpoint within ``timeout_s``, before the kill.
+
+    The launcher's ranks are forked from a fork server (``kill_when``'s ``forked``), as the
+    random-kill test's are: real processes of their own, every one of them killed, that skip an
+    interpreter start and torch's import each (seconds of CPU a rank). What a kill test checks is
+    what the checkpoint files hold; how a fresh rank starts and dies is tests/cli/test_robust.py's.
     """
-    killed = kill_when(args, checkpoints, files, step, delay_s, timeout_s)
+    killed = kill_when(args, checkpoints, files, step, delay_s, timeout_s, forked=True)
     assert killed, "the job ended before the kill"
 
 
@@ -313,9 +394,9 @@ def kill_when(args: tuple[str, ...] | list[str], checkpoints: Path, files: int, 
     ``files`` model files in ``checkpoints`` all committed ``step`` or later (``files=0``: ``delay_s``
     after the start, wherever the job then is); whether the job was still running when killed.
 
-    ``forked``: the launcher process runs :func:`convoy_in_process`, its ranks forked from a fork
-    server that imported torch once (not one interpreter start per rank); still real processes
-    of their own, every one of them killed.
+    ``forked``: the launcher process runs :func:`convoy_in_process`, forked from the fork server that
+    imported torch and convoy once for the session, and forks its ranks from itself (no interpreter
+    start, for the launcher or a rank); still real processes of their own, every one of them killed.
 
     Example::
 
@@ -323,9 +404,10 @@ def kill_when(args: tuple[str, ...] | list[str], checkpoints: Path, files: int, 
         True
     """
     require_timeout("kill_when")
-    command = ["-c", _FORKED_LAUNCHER] if forked else ["-m", "convoy"]
-    launcher = subprocess.Popen([sys.executable, *command, "train", *args], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    stderr = Path(tempfile.mkdtemp(prefix="convoy-kill-")) / "launcher.err"
+    launcher = _ForkedLauncher(list(args), stderr) if forked else \
+        subprocess.Popen([sys.executable, "-m", "convoy", "train", *args], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
         while files:
@@ -348,6 +430,7 @@ def kill_when(args: tuple[str, ...] | list[str], checkpoints: Path, files: int, 
                 rank.kill()
         launcher.wait(timeout=30)
         psutil.wait_procs(ranks, timeout=30)
+        shutil.rmtree(stderr.parent, ignore_errors=True)
 
 
 def _stopped_tree(pid: int) -> list[psutil.Process]:

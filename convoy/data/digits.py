@@ -4,8 +4,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch.utils.data import TensorDataset
 
 from convoy.data.splits import DatasetSplits
@@ -23,6 +21,11 @@ def load() -> DatasetSplits:
     Pixels are scaled to [0, 1], resized bilinearly to 32x32, then normalised
     with the training split's mean and standard deviation.
     """
+    # Imported here, not with the module: scikit-learn pulls in scipy.stats (about 1.2 s of CPU),
+    # which every ``import convoy`` (a launcher, a CLI command, a user's script) would otherwise pay.
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     bunch = load_digits()
     images = torch.from_numpy(bunch.data.astype(np.float32) / _MAX_PIXEL).view(-1, 1, 8, 8)
     images = F.interpolate(images, size=IMAGE_SIZE, mode="bilinear", align_corners=False)

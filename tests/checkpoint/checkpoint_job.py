@@ -30,7 +30,7 @@ from convoy.checkpoint import CheckpointSettings, faults, start_checkpointing  #
 from convoy.checkpoint.recovery import scan, state_dict_of, valid_steps  # noqa: E402
 from convoy.checkpoint.store import Store  # noqa: E402
 from convoy.compress import build_compressor  # noqa: E402
-from convoy.models.lenet import lenet  # noqa: E402  (not convoy.data: it imports scikit-learn)
+from convoy.models.lenet import lenet  # noqa: E402
 
 BATCH, SAMPLES = 16, 128
 STEPS_PER_EPOCH = SAMPLES // BATCH
