@@ -90,13 +90,17 @@ def run_cluster(args: argparse.Namespace) -> int:
     argv = _rank_command(args.command)
     # The namespaces have no DNS; c10d warns about it on every connection.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    # SIGTERM must unwind like Ctrl-C so the namespaces are removed.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    with EmulatedCluster(topology, congestion_control=args.tcp_congestion) as cluster:
-        congestion = args.tcp_congestion or machine_congestion_control()
-        print(f"convoy: {_describe(topology)}; TCP {congestion}", flush=True)
-        return run_ranks(lambda rank: cluster.exec_prefix(rank) + argv, topology.hosts,
-                         topology.address(0), "eth0")
+    # SIGTERM must unwind like Ctrl-C so the namespaces are removed; the caller's handler comes
+    # back afterwards (main() may run inside another program, e.g. a test).
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        with EmulatedCluster(topology, congestion_control=args.tcp_congestion) as cluster:
+            congestion = args.tcp_congestion or machine_congestion_control()
+            print(f"convoy: {_describe(topology)}; TCP {congestion}", flush=True)
+            return run_ranks(lambda rank: cluster.exec_prefix(rank) + argv, topology.hosts,
+                             topology.address(0), "eth0")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _topology(args: argparse.Namespace) -> Topology:

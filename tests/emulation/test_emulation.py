@@ -200,3 +200,22 @@ def test_a_killed_host_loses_every_process_and_the_others_keep_theirs_and_their_
             for sleeper in sleepers:
                 sleeper.kill()
                 sleeper.wait()
+
+
+@pytest.mark.timeout(120)
+@needs_netns
+def test_a_cluster_run_in_process_gives_back_the_callers_sigterm_handler(tmp_path):
+    import signal
+
+    from convoy.cli.main import main
+
+    (tmp_path / "noop.py").write_text("pass\n")
+    def marker(*_):
+        pass
+
+    mine = signal.signal(signal.SIGTERM, marker)
+    try:
+        assert main(["bench", "cluster", "--hosts", "2", "--", str(tmp_path / "noop.py")]) == 0
+        assert signal.getsignal(signal.SIGTERM) is marker
+    finally:
+        signal.signal(signal.SIGTERM, mine)
