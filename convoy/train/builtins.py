@@ -80,7 +80,7 @@ STRATEGIES.register(StrategySpec("ps", layouts={"data": build_ps_layout, "hybrid
                                           "credit_kb", "trace"),
                                  check=check_ps, shape=ps_shape, groups=ps_groups, spreads_step=True,
                                  record=ps_record, remap=remap_servers))
-LAYOUTS.register(LayoutSpec("data", build_data))
+LAYOUTS.register(LayoutSpec("data", build_data, remap_by_strategy=True))
 LAYOUTS.register(LayoutSpec("hybrid", build_hybrid, options=("conv_workers", "fc_workers", "sub_batches"),
                             check=check_hybrid, shape=hybrid_roles, spreads_step=True, record=hybrid_roles,
                             remap={"allreduce": remap_roles}, worker="conv worker"))

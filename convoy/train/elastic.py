@@ -82,19 +82,21 @@ class Remap:
 
 
 def mapping_of(config: TrainConfig) -> Callable[[Remap], Mapped] | None:
-    """How a checkpoint of the job ``config`` describes maps onto another world: the layout's own
-    mapping for the strategy, or, for a layout whose state is the strategy's, the strategy's;
+    """How a checkpoint of the job ``config`` describes maps onto another world: the strategy's
+    mapping, under a layout whose state is the strategy's, else the layout's own for the strategy;
     None: it resumes only on the world that wrote it."""
     strategy, layout = config.strategy_spec(), config.layout_spec()
-    return strategy.remap if layout.remap is None else layout.remap.get(strategy.name)
+    if layout.remap_by_strategy:
+        return strategy.remap
+    return (layout.remap or {}).get(strategy.name)
 
 
-def _resumable() -> str:
+def resumable_jobs() -> str:
     """The jobs that resume on any number of workers, as flags (from the registries)."""
     strategies = [spec.name for spec in STRATEGIES.specs() if spec.remap is not None]
     kinds = []
     for layout in LAYOUTS.specs():
-        if layout.remap is None and strategies:
+        if layout.remap_by_strategy and strategies:
             kinds.append(f"--sync {_either(strategies)} with --parallel {layout.name}")
         elif layout.remap:
             kinds.append(f"--parallel {layout.name} with --sync {_either(list(layout.remap))}")
@@ -201,7 +203,7 @@ def _adapt(config: TrainConfig, model: nn.Module, world: int, nodes: list[int]) 
     if mapping is None:
         raise UsageError(f"--checkpoint-dir {directory} holds a checkpoint of {job.world} workers; --parallel "
                          f"{config.parallel.layout} with --sync {config.sync.strategy} resumes only on that number "
-                         f"({world} given; {_resumable()} resume on any): {keep}")
+                         f"({world} given; {resumable_jobs()} resume on any): {keep}")
     if job.layout is not None or _kind(config) != _kind(TrainConfig()):
         _check_same_kind(directory, job, config, keep)   # the default job's kind is implied when unrecorded
     data_world = config.job_shape(world).data_world_size   # the new layout fits the new world, or one line

@@ -32,9 +32,11 @@ class LayoutSpec:
             group's and the FC group's), so clipping and fp16 loss scaling need the
             whole-step group.
         record: ``config -> dict``: what a checkpoint's job record says of it besides its name.
-        remap: None: its state is the strategy's, which :attr:`StrategySpec.remap` maps onto
-            another world; else its own mappings, by ``--sync`` name (another strategy
-            resumes only on the world that wrote it).
+        remap: how a checkpoint of it goes on with another number of workers, by ``--sync``
+            name (:attr:`StrategySpec.remap`'s form); a strategy it does not name resumes only
+            on the world that wrote it.
+        remap_by_strategy: its state is the strategy's alone (data parallelism), so the
+            strategy's own :attr:`StrategySpec.remap` maps it (``remap`` is not read).
         worker: what one of its data ranks is called in messages ("conv worker").
 
     Example::
@@ -50,6 +52,7 @@ class LayoutSpec:
     spreads_step: bool = False
     record: Callable[..., dict[str, Any]] | None = None
     remap: Mapping[str, Callable[..., tuple[int, int, int, str]]] | None = None
+    remap_by_strategy: bool = False
     worker: str = "worker"
 
 

@@ -41,7 +41,7 @@ class StrategySpec:
         spreads_step: a step's gradient is spread over several ranks (the servers' shards), so
             clipping and fp16 loss scaling need the whole-step group.
         record: ``config -> dict``: what a checkpoint's job record says of it besides its name.
-        remap: how its checkpoint (under a layout with no mapping of its own) goes on with
+        remap: how its checkpoint (under a layout whose state is the strategy's) goes on with
             another number of workers: :class:`convoy.train.elastic.Remap` ``-> (step, logged
             steps trained again, residual values dealt to float32 only, what was done)``; None:
             it resumes only on the world that wrote it.
