@@ -217,7 +217,8 @@ def _adapt(config: TrainConfig, model: nn.Module, world: int, nodes: list[int]) 
     batch = global_batch // (data_world * accum)
     workers = f"{job.world} worker{'s' if job.world > 1 else ''}"
     note = (f"convoy: checkpoint: {directory} was written by {workers}; resuming on {world}: global batch "
-            f"{global_batch} kept ({batch} per {worker}{' per micro-batch' if accum > 1 else ''}), {what} at step {step}")
+            f"{global_batch} kept ({batch} per {worker}{' per micro-batch' if accum > 1 else ''}), {what} at "
+            f"step {step}")
     if retrained:
         note += (f" (the newest step every rank file holds: the {retrained} logged steps after it are "
                  "trained again)")
