@@ -78,7 +78,8 @@ class CompressedHookState:
     pair can be made before ``init_process_group`` (Lightning builds its
     strategy first). ``traffic()`` gives the bytes sent and received so far;
     ``state_dict()`` and ``load_state_dict()`` save and restore this rank's
-    error feedback (and PowerSGD's warm start) with a checkpoint.
+    error feedback (and PowerSGD's warm start) with a checkpoint. The compressor,
+    its memory and the warm-up are ``pipeline``'s, the one the exchange runs.
 
     Args:
         compressor: how a bucket's gradient is put on the wire.
@@ -110,18 +111,6 @@ class CompressedHookState:
         self._waiting: dict[int, tuple[dist.GradBucket, torch.futures.Future]] = {}
         self._started: list[tuple[PendingSync, torch.futures.Future, list[tuple[int, int]] | None]] = []
         self._last: int | None = None
-
-    @property
-    def compressor(self) -> Compressor:
-        return self.pipeline.compressor
-
-    @property
-    def memory(self) -> Memory:
-        return self.pipeline.memory
-
-    @property
-    def warmup_steps(self) -> int:
-        return self.pipeline.warmup_steps
 
     @property
     def exchange(self) -> AllReduce:

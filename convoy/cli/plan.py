@@ -104,10 +104,10 @@ def train_flags() -> set[str]:
 def train_choices() -> dict[str, tuple[str, ...]]:
     """The values ``--sync``, ``--compress`` and ``--parallel`` accept in this convoy."""
     from convoy.compress import compressor_names
-    from convoy.parallel import PARALLEL_NAMES
-    from convoy.sync import SYNC_NAMES
+    from convoy.train.layouts import LAYOUTS
+    from convoy.train.strategies import STRATEGIES
 
-    return {"--sync": SYNC_NAMES, "--compress": compressor_names(), "--parallel": PARALLEL_NAMES}
+    return {"--sync": STRATEGIES.names(), "--compress": compressor_names(), "--parallel": LAYOUTS.names()}
 
 
 def available(flags: list[str], known: set[str], choices: dict[str, tuple[str, ...]]) -> bool:

@@ -74,15 +74,9 @@ def run(args: argparse.Namespace) -> int:
     if launched_by_torchrun():
         run_worker(config)
     check_import_paths(config)
-    parallel = config.parallel
-    # Dedicated parameter servers are ranks of their own (a hybrid job's are never colocated).
-    extra = int(config.ps_servers()) if config.sync.strategy == "ps" and parallel.layout == "hybrid" else 0
-    if parallel.layout == "hybrid" and parallel.conv_workers + parallel.fc_workers + extra != parallel.nproc:
-        raise UsageError(f"--conv-workers + --fc-workers ({parallel.conv_workers + parallel.fc_workers}) must "
-                         f"equal --nproc ({parallel.nproc})")
     if config.run.out is None:
         config = config.with_settings(out=time.strftime("runs/%Y%m%d-%H%M%S"))
-    return launch(json.dumps(config.to_dict()), parallel.nproc)
+    return launch(json.dumps(config.to_dict()), config.parallel.nproc)
 
 
 def check_import_paths(config: TrainConfig) -> None:

@@ -120,6 +120,9 @@ def from_flags(flags: list[str], nodes: int, costs: CpuCosts | None = None) -> S
                   **{k: values[k] for k in ("block_selection", "priority") if k in values})
     if knobs.priority == "fifo" and "slice_kb" not in values:
         knobs = replace(knobs, slice_kb=None)   # fifo sends whole layers by default
+    # The simulator's models are named as the flags they model; convoy.train's --sync and --parallel
+    # registries lie above this package (pyproject's layers), and a choice registered there without a
+    # model here is refused by build() in one line.
     if values.get("compress") == "powersgd":
         name = "convoy-powersgd"
     elif "powersgd_rank" in values:

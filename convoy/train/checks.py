@@ -112,3 +112,22 @@ def one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise UsageError(f"unknown {flag(name)} {value!r}; choose one of: {', '.join(choices)}"
                          + did_you_mean(value, choices))
+
+
+def refuse_options_of_others(section: Any, name: str, chosen: Any, specs: tuple[Any, ...]) -> None:
+    """UsageError when ``section`` gives (away from its default) an option that only another
+    registered choice of the setting ``name`` reads; every spec lists its ``options``.
+
+    Example::
+
+        >>> refuse_options_of_others(SyncConfig(clusters="2"), "sync", allreduce, STRATEGIES.specs())
+        Traceback (most recent call last):
+        convoy.errors.UsageError: --clusters, --indicator-weights and --node-profile need --sync hierarchical
+    """
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    for spec in specs:
+        given = [option for option in spec.options if getattr(section, option) != fields[option].default]
+        if spec is not chosen and given:
+            flags = [flag(fields[option].metadata["flag"] or option) for option in spec.options]
+            listed = ", ".join(flags[:-1]) + " and " + flags[-1] if len(flags) > 1 else flags[0]
+            raise UsageError(f"{listed} need{'s' if len(flags) == 1 else ''} {flag(name)} {spec.name}")

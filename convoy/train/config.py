@@ -37,8 +37,10 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from convoy.errors import UsageError
 from convoy.train.checks import at_least, flag, one_of, positive
+from convoy.train.layouts import LAYOUTS, LayoutSpec
 from convoy.train.sections import (AMP_NAMES, DEFAULT_LR, OTHER_MODELS_LR, CheckpointConfig, CompressConfig,
                                    DataConfig, ModelConfig, OptimConfig, ParallelConfig, RunConfig, SyncConfig)
+from convoy.train.strategies import STRATEGIES, StrategySpec
 from convoy.utils.suggest import did_you_mean
 from convoy.utils.toml import read_toml
 
@@ -70,7 +72,7 @@ class TrainConfig:
     data: DataConfig = _section(DataConfig, "the dataset and how it is batched")
     optim: OptimConfig = _section(OptimConfig, "optimizer and learning rate")
     run: RunConfig = _section(RunConfig, "length, evaluation, output and the worker processes")
-    sync: SyncConfig = _section(SyncConfig, "how workers exchange gradients (allreduce, hierarchical, ps)")
+    sync: SyncConfig = _section(SyncConfig, "how workers exchange gradients (--sync) and each strategy's options")
     compress: CompressConfig = _section(CompressConfig, "gradient compression and error feedback")
     parallel: ParallelConfig = _section(ParallelConfig, "processes and how the model is laid out over them")
     checkpoint: CheckpointConfig = _section(CheckpointConfig, "checkpoints, resuming, and initial weights")
@@ -140,28 +142,33 @@ class TrainConfig:
             job = job.with_settings(lr=DEFAULT_LR.get(job.model.name, OTHER_MODELS_LR)
                                     * job.compress.default_lr_scale())
         job._check_precision()
-        if job.parallel.layout == "hybrid" and job.parallel.sub_batches > job.data.batch_size:
-            raise UsageError(f"--sub-batches ({job.parallel.sub_batches}) must be at most --batch-size "
-                             f"({job.data.batch_size})")
+        strategy, layout = job.strategy_spec(), job.layout_spec()
+        if strategy.layouts is not None and layout.name not in strategy.layouts:
+            raise UsageError(f"--sync {strategy.name} lays out the job itself, with --parallel "
+                             f"{' or '.join(strategy.layouts)}; got --parallel {layout.name}")
         world = job.world_size()
-        job._check_hierarchical(world)
-        job._check_ps(world)
+        for spec in (layout, strategy):   # the layout's first: ps reads its roles
+            if spec.check is not None:
+                spec.check(job, world)
         job.job_shape(world)   # roles and groups fit the world, before any worker starts
         return job
 
+    def strategy_spec(self) -> StrategySpec:
+        """The registered spec of ``--sync`` (UsageError naming the choices when there is none)."""
+        return STRATEGIES.spec(self.sync.strategy)
+
+    def layout_spec(self) -> LayoutSpec:
+        """The registered spec of ``--parallel`` (UsageError naming the choices when there is none)."""
+        return LAYOUTS.spec(self.parallel.layout)
+
     def job_shape(self, world_size: int) -> JobShape:
-        """The shape this configuration asks for on ``world_size`` ranks (UsageError where it does not fit)."""
-        from convoy.cluster.clustering import parse_clusters
+        """The shape this configuration asks for on ``world_size`` ranks (UsageError where it does not fit):
+        the strategy's extra ranks and clusters, the layout's roles."""
         from convoy.parallel.shape import JobShape
 
-        hybrid = self.parallel.layout == "hybrid"
-        servers = self.ps_servers() if self.sync.strategy == "ps" else 0
-        return JobShape(world_size,
-                        # only dedicated server ranks change the shape; colocated ones are workers too
-                        servers=0 if servers == "colocated" else int(servers),
-                        conv_workers=(self.parallel.conv_workers or 0) if hybrid else 0,
-                        fc_workers=(self.parallel.fc_workers or 0) if hybrid else 0,
-                        clusters=parse_clusters(self.sync.clusters) if self.sync.strategy == "hierarchical" else 1)
+        given = {key: value for spec in (self.strategy_spec(), self.layout_spec()) if spec.shape is not None
+                 for key, value in spec.shape(self).items()}
+        return JobShape(world_size, **given)
 
     def _check_precision(self) -> None:
         positive("lr", self.optim.lr)
@@ -181,69 +188,12 @@ class TrainConfig:
         """``--servers`` as the job runs it: ``"colocated"``, or S dedicated server ranks.
 
         Colocated servers are the default of data parallelism; a hybrid job
-        keeps its conv and FC ranks and defaults to one dedicated server.
+        keeps its conv and FC ranks and defaults to one dedicated server (ps
+        lays out both itself, :func:`convoy.train.ps.build_hybrid_ps_layout`).
         """
         if self.sync.servers is not None:
             return self.sync.servers
         return 1 if self.parallel.layout == "hybrid" else "colocated"
-
-    def _check_colocated(self, world: int) -> None:
-        if world < 2:
-            raise UsageError(f"--servers colocated needs at least 2 processes, got {world}; give --nproc 2 or "
-                             "more, or train on one process without --sync ps")
-        if self.parallel.layout != "data":
-            raise UsageError("--servers colocated needs --parallel data; a hybrid job takes --servers S "
-                             "dedicated server ranks")
-        if self.sync.staleness:
-            self._check_stale()
-        weights = self.sync.shard_weights
-        if weights and len(weights) != world:
-            raise UsageError(f"--shard-weights needs one share per process ({world}), got {len(weights)}")
-        if self.optim.clip_grad_norm is not None or self.optim.amp == "fp16":
-            raise UsageError("--clip-grad-norm and --amp fp16 are not supported with --servers colocated yet; "
-                             "give --servers S (dedicated servers) or leave them out")
-
-    def _check_stale(self) -> None:
-        staleness = f"--staleness {self.sync.staleness}"
-        if self.compress.name != "none":
-            raise UsageError(f"{staleness} with --compress {self.compress.name}: compressed pushes are not supported "
-                             "under bounded staleness yet; give --compress none or --staleness 0")
-        if self.checkpoint.dir is not None:
-            raise UsageError(f"{staleness} with --checkpoint-dir: checkpoints of a stale job are not supported yet "
-                             "(each rank's shard is up to S steps ahead of its worker); give --staleness 0")
-
-    def _check_ps(self, world: int) -> None:
-        if self.sync.strategy != "ps":
-            return
-        servers = self.ps_servers()
-        if servers == "colocated":
-            self._check_colocated(world)
-        else:
-            for flag, given in (("--staleness", self.sync.staleness), ("--shard-weights", self.sync.shard_weights)):
-                if given:
-                    raise UsageError(f"{flag} needs --servers colocated")
-        if servers != "colocated" and servers >= world:
-            raise UsageError(f"--servers ({servers}) must be smaller than the number of processes ({world}): "
-                             "at least one rank must be a worker")
-        conv, fc = self.parallel.conv_workers, self.parallel.fc_workers
-        if self.parallel.layout == "hybrid" and conv and fc and conv + fc + int(servers) != world:
-            raise UsageError(f"--parallel hybrid --sync ps needs --nproc = --conv-workers + --fc-workers + --servers "
-                             f"= {conv + fc + servers} (the servers are the last ranks), got {world}")
-        if self.compress.block_selection == "global" and self.compress.name == "blocktopk":
-            raise UsageError("--block-selection global needs every rank to agree on the blocks (an all-reduce); "
-                             "a parameter server decodes each push alone: use --block-selection local with --sync ps")
-        if self.checkpoint.dir is not None and (servers not in (1, "colocated") or self.parallel.layout != "data"):
-            raise UsageError("--checkpoint-dir with --sync ps needs --servers colocated or 1 and --parallel data (the "
-                             "workers' rank files commit in step with the servers' files)")
-
-    def _check_hierarchical(self, world: int) -> None:
-        from convoy.cluster.options import check_cluster_options
-
-        if self.sync.strategy != "hierarchical":
-            return
-        sync = self.sync
-        check_cluster_options(world, sync.clusters, sync.indicator_weights, sync.node_profile, sync.reelect_every,
-                              sync.server_choice)
 
 
 SECTIONS: dict[str, str] = {f.name: f.metadata["help"] for f in dataclasses.fields(TrainConfig)}
@@ -276,7 +226,10 @@ class Setting:
 
     @property
     def help(self) -> str:
-        return self.field.metadata["help"]
+        """Its help line; a registry's choices as registered now."""
+        choices = self.field.metadata["choices"]
+        text = self.field.metadata["help"]
+        return text.replace("{choices}", ", ".join(choices())) if choices is not None else text
 
     @property
     def default(self) -> Any:

@@ -30,8 +30,9 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 from torch import nn
@@ -46,11 +47,64 @@ from convoy.models import split_point
 from convoy.train.config import TrainConfig
 from convoy.train.elastic_layouts import plan_replan, relayout_hybrid
 from convoy.train.elastic_ps import reshard_ps
+from convoy.train.layouts import LAYOUTS
 from convoy.train.optim import optimizer_spec
+from convoy.train.strategies import STRATEGIES
 
-# The jobs that resume on another number of workers: (--sync, --parallel) -> how their state is mapped.
-MAPPINGS = {("allreduce", "data"): "allreduce", ("hierarchical", "data"): "hierarchical", ("ps", "data"): "ps",
-            ("allreduce", "hybrid"): "hybrid"}
+# What a mapping returns: (step, logged steps trained again, residual values dealt only to float32, what was done).
+Mapped = tuple[int, int, int, str]
+
+
+@dataclass(frozen=True)
+class Remap:
+    """A checkpoint to go on with another number of workers: what every mapping
+    (:attr:`StrategySpec.remap`, :attr:`LayoutSpec.remap`) is given.
+
+    Args:
+        directory: the checkpoint directory.
+        config: the new job's settings.
+        model: the new job's model (its layout is checked against the checkpoint's).
+        job: what the checkpoint's records say of the job that wrote it.
+        world: the new number of workers.
+        nodes: each new rank's node (:func:`node_of_ranks`).
+        keep: how to keep the checkpoint as it is, for refusals.
+        new_job: what the new files' records say of the job.
+    """
+
+    directory: Path
+    config: TrainConfig
+    model: nn.Module
+    job: JobRecord
+    world: int
+    nodes: list[int]
+    keep: str
+    new_job: dict[str, Any]
+
+
+def mapping_of(config: TrainConfig) -> Callable[[Remap], Mapped] | None:
+    """How a checkpoint of the job ``config`` describes maps onto another world: the strategy's
+    mapping, under a layout whose state is the strategy's, else the layout's own for the strategy;
+    None: it resumes only on the world that wrote it."""
+    strategy, layout = config.strategy_spec(), config.layout_spec()
+    if layout.remap_by_strategy:
+        return strategy.remap
+    return (layout.remap or {}).get(strategy.name)
+
+
+def resumable_jobs() -> str:
+    """The jobs that resume on any number of workers, as flags (from the registries)."""
+    strategies = [spec.name for spec in STRATEGIES.specs() if spec.remap is not None]
+    kinds = []
+    for layout in LAYOUTS.specs():
+        if layout.remap_by_strategy and strategies:
+            kinds.append(f"--sync {_either(strategies)} with --parallel {layout.name}")
+        elif layout.remap:
+            kinds.append(f"--parallel {layout.name} with --sync {_either(list(layout.remap))}")
+    return ", and ".join(kinds)
+
+
+def _either(names: list[str]) -> str:
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
 
 
 def adapt_to_checkpoint(config: TrainConfig, model: nn.Module, ctx: runtime.Context) -> TrainConfig:
@@ -94,10 +148,9 @@ def job_layout(config: TrainConfig) -> dict[str, Any]:
     """What the checkpoint's records say of the job's layout (``--sync``, ``--servers``,
     ``--parallel`` and the hybrid roles): what a resume on another world maps from."""
     layout: dict[str, Any] = {"sync": config.sync.strategy, "parallel": config.parallel.layout}
-    if config.sync.strategy == "ps":
-        layout["servers"] = config.ps_servers()
-    if config.parallel.layout == "hybrid":
-        layout.update(conv_workers=config.parallel.conv_workers, fc_workers=config.parallel.fc_workers)
+    for spec in (config.strategy_spec(), config.layout_spec()):
+        if spec.record is not None:
+            layout.update(spec.record(config))
     return layout
 
 
@@ -142,7 +195,7 @@ def _adapt(config: TrainConfig, model: nn.Module, world: int, nodes: list[int]) 
     accum = config.optim.grad_accum
     global_batch = job.global_batch or config.data.batch_size * accum * job.world
     keep = f"run on {job.world} workers, or pass --no-resume to start over"
-    mapping = MAPPINGS.get((config.sync.strategy, config.parallel.layout))
+    mapping = mapping_of(config)
     if job.world == world:
         # A mapped job restarted with its first command (its original --batch-size) keeps the checkpoint's batch.
         data_world = config.job_shape(world).data_world_size
@@ -150,23 +203,22 @@ def _adapt(config: TrainConfig, model: nn.Module, world: int, nodes: list[int]) 
     if mapping is None:
         raise UsageError(f"--checkpoint-dir {directory} holds a checkpoint of {job.world} workers; --parallel "
                          f"{config.parallel.layout} with --sync {config.sync.strategy} resumes only on that number "
-                         f"({world} given; --sync allreduce, hierarchical or ps with --parallel data, and --parallel "
-                         f"hybrid with --sync allreduce resume on any): {keep}")
-    if mapping != "allreduce" or job.layout is not None:   # a data-parallel job's layout is implied when unrecorded
-        _check_same_kind(directory, job, config, keep)
+                         f"({world} given; {resumable_jobs()} resume on any): {keep}")
+    if job.layout is not None or _kind(config) != _kind(TrainConfig()):
+        _check_same_kind(directory, job, config, keep)   # the default job's kind is implied when unrecorded
     data_world = config.job_shape(world).data_world_size   # the new layout fits the new world, or one line
     per = f" x --grad-accum {accum}" if accum > 1 else ""
+    worker = config.layout_spec().worker
     if global_batch % (data_world * accum):
-        workers = "conv workers" if mapping == "hybrid" else "workers"
         raise UsageError(f"--checkpoint-dir {directory}: the checkpoint's global batch of {global_batch} does not "
-                         f"divide over {data_world} {workers}{per}; {keep}")
-    step, retrained, inexact, what = _map(mapping, directory, config, model, job, world, nodes, keep,
-                                          job_record(config, world, global_batch))
+                         f"divide over {data_world} {worker}s{per}; {keep}")
+    step, retrained, inexact, what = mapping(Remap(directory, config, model, job, world, nodes, keep,
+                                                   job_record(config, world, global_batch)))
     batch = global_batch // (data_world * accum)
     workers = f"{job.world} worker{'s' if job.world > 1 else ''}"
-    each = "per conv worker" if mapping == "hybrid" else "per worker"
     note = (f"convoy: checkpoint: {directory} was written by {workers}; resuming on {world}: global batch "
-            f"{global_batch} kept ({batch} {each}{' per micro-batch' if accum > 1 else ''}), {what} at step {step}")
+            f"{global_batch} kept ({batch} per {worker}{' per micro-batch' if accum > 1 else ''}), {what} at "
+            f"step {step}")
     if retrained:
         note += (f" (the newest step every rank file holds: the {retrained} logged steps after it are "
                  "trained again)")
@@ -176,37 +228,48 @@ def _adapt(config: TrainConfig, model: nn.Module, world: int, nodes: list[int]) 
     return "resharded", (batch, note)
 
 
-def _map(mapping: str, directory: Path, config: TrainConfig, model: nn.Module, job: JobRecord, world: int,
-         nodes: list[int], keep: str, new_job: dict[str, Any]) -> tuple[int, int, int, str]:
-    """Map the checkpoint onto ``world`` as ``mapping`` says: (step, logged steps trained again,
-    residual values dealt only to float32 precision, what was done). ``new_job``: what the new
-    files' records say of the job."""
-    if mapping == "allreduce":
-        _check_model(directory, model, config)
-        if job.model_files > 1:
-            # Several nodes shared the directory (torchrun on several hosts): each node's writer kept a
-            # model file; in a data-parallel job they are copies of one model, or this is no such job.
-            _check_copies(directory, model, config, world, keep)
-        deal = reshard(directory, job.world, world, writers_of(list(range(world)), nodes))
-        return deal.step, deal.retrained, deal.inexact, "per-rank state re-dealt"
-    if mapping == "hierarchical":
-        _check_copies(directory, model, config, world, keep)   # each cluster's file holds the whole model
-        replan = plan_replan(directory, job.world)              # written once the new clusters are planned
-        weights = ", ".join(f"{w:.3g}" for w in replan.weights)
-        return (replan.job.step, 0, 0, f"clusters planned again, every rank starting from the {len(replan.clusters)} "
-                f"old clusters' model, momentum and error-feedback state combined with the weights of their "
-                f"next exchange ({weights})")
-    if mapping == "ps":
-        return reshard_ps(directory, config, model, job.world, world, writers_of(list(range(world)), nodes),
-                          new_job)
-    old, new = job.layout or {}, (config.parallel.conv_workers, config.parallel.fc_workers)
-    features, head = split_point(model, config.parallel.split_at)
+def _kind(config: TrainConfig) -> tuple[str, str]:
+    return config.sync.strategy, config.parallel.layout
+
+
+def remap_ranks(r: Remap) -> Mapped:
+    """A data-parallel all-reduce job's checkpoint: every rank file re-dealt."""
+    _check_model(r.directory, r.model, r.config)
+    if r.job.model_files > 1:
+        # Several nodes shared the directory (torchrun on several hosts): each node's writer kept a
+        # model file; in a data-parallel job they are copies of one model, or this is no such job.
+        _check_copies(r.directory, r.model, r.config, r.world, r.keep)
+    deal = reshard(r.directory, r.job.world, r.world, writers_of(list(range(r.world)), r.nodes))
+    return deal.step, deal.retrained, deal.inexact, "per-rank state re-dealt"
+
+
+def remap_clusters(r: Remap) -> Mapped:
+    """A hierarchical job's checkpoint: the clusters planned again (:mod:`convoy.train.elastic_layouts`)."""
+    _check_copies(r.directory, r.model, r.config, r.world, r.keep)   # each cluster's file holds the whole model
+    replan = plan_replan(r.directory, r.job.world)                    # written once the new clusters are planned
+    weights = ", ".join(f"{w:.3g}" for w in replan.weights)
+    return (replan.job.step, 0, 0, f"clusters planned again, every rank starting from the {len(replan.clusters)} "
+            f"old clusters' model, momentum and error-feedback state combined with the weights of their "
+            f"next exchange ({weights})")
+
+
+def remap_servers(r: Remap) -> Mapped:
+    """A ps job's checkpoint: the servers' shards re-sharded (:mod:`convoy.train.elastic_ps`)."""
+    return reshard_ps(r.directory, r.config, r.model, r.job.world, r.world,
+                      writers_of(list(range(r.world)), r.nodes), r.new_job)
+
+
+def remap_roles(r: Remap) -> Mapped:
+    """A hybrid all-reduce job's checkpoint: each role's state re-dealt within its group."""
+    old, new = r.job.layout or {}, (r.config.parallel.conv_workers, r.config.parallel.fc_workers)
+    features, head = split_point(r.model, r.config.parallel.split_at)
     for rank, part, role in ((0, features, "conv layers"), (old["conv_workers"], head, "FC head")):
-        _check_model(directory, part, config, model_file(directory, rank),
+        _check_model(r.directory, part, r.config, model_file(r.directory, rank),
                      f" (the {role} of a --conv-workers {old['conv_workers']} --fc-workers {old['fc_workers']} job)")
-    groups = (list(range(new[0])), list(range(new[0], world)))
-    step, retrained, inexact = relayout_hybrid(directory, (old["conv_workers"], old["fc_workers"]), new,
-                                               (writers_of(groups[0], nodes), writers_of(groups[1], nodes)), new_job)
+    groups = (list(range(new[0])), list(range(new[0], r.world)))
+    step, retrained, inexact = relayout_hybrid(r.directory, (old["conv_workers"], old["fc_workers"]), new,
+                                               (writers_of(groups[0], r.nodes), writers_of(groups[1], r.nodes)),
+                                               r.new_job)
     return (step, retrained, inexact, f"conv layers from {old['conv_workers']} workers to {new[0]}, FC head from "
             f"{old['fc_workers']} to {new[1]}, per-rank state re-dealt within each group")
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -194,13 +194,28 @@ def _cut(plan: ShardPlan, layer: dict[str, torch.Tensor], unit: int) -> dict[str
             for key, t in layer.items()}
 
 
-def _pieces(plan: ShardPlan, unit: int, flat: torch.Tensor) -> list[torch.Tensor]:
-    """A unit's flat tensor (its parameters' rows, one after another) as views shaped like them."""
+def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` (tensors shaped as ``like``, one after another, flattened) as views shaped like them:
+    a unit's rows of its parameters, or a layer's parameters."""
     out, offset = [], 0
-    for p in plan.layers[unit][2]:
+    for p in like:
         out.append(flat[offset:offset + p.numel()].view(p.shape))
         offset += p.numel()
     return out
+
+
+def _sync_items(state: dict[str, torch.Tensor], out: dict[str, Any]
+                ) -> Iterator[tuple[str, str, str, torch.Tensor]]:
+    """Each ``sync.<kind>.<unit or layer>`` entry of a worker's rank state as (key, kind, unit or
+    layer, tensor), in order; every other entry is put into ``out`` as it comes, so ``out`` keeps the
+    state's order (the order the worker's memory keeps its tensors in)."""
+    for key, value in state.items():
+        kind, _, rest = key.partition(".")
+        if kind != "sync":
+            out[key] = value
+            continue
+        sub, _, part = rest.partition(".")
+        yield key, sub, part, value
 
 
 def _worker_layers(plan: ShardPlan, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -210,12 +225,7 @@ def _worker_layers(plan: ShardPlan, state: dict[str, torch.Tensor]) -> dict[str,
     out: dict[str, Any] = {}
     layers: dict[tuple[str, int], list[torch.Tensor]] = {}
     seen: dict[tuple[str, int], set[int]] = {}
-    for key, value in state.items():
-        kind, _, rest = key.partition(".")
-        sub, _, unit = rest.partition(".")
-        if kind != "sync":
-            out[key] = value
-            continue
+    for key, sub, unit, value in _sync_items(state, out):
         if sub not in ADDITIVE or not unit.isdigit():
             raise UsageError(f"the rank files hold {key!r}, state of a unit of the old shards that convoy cannot "
                              "cut again for another number of servers; resume on the checkpoint's number of workers")
@@ -223,7 +233,7 @@ def _worker_layers(plan: ShardPlan, state: dict[str, torch.Tensor]) -> dict[str,
         if (sub, layer) not in layers:
             layers[(sub, layer)] = [torch.empty(p.shape, dtype=value.dtype) for p in _params(plan, layer)]
             out[f"sync.{sub}.L{layer}"] = None   # its place in the memory's order
-        for full, piece in zip(layers[(sub, layer)], _pieces(plan, int(unit), value)):
+        for full, piece in zip(layers[(sub, layer)], _views(value, plan.layers[int(unit)][2])):
             (full if start is None else full[start:end]).copy_(piece)
         seen.setdefault((sub, layer), set()).add(int(unit))
     for (sub, layer), full in layers.items():
@@ -239,16 +249,9 @@ def _worker_units(plan: ShardPlan, state: dict[str, torch.Tensor]) -> dict[str, 
     """The inverse of :func:`_worker_layers` for ``plan``'s units: each layer's units in row order,
     where the layer was (the order in which a worker compresses them)."""
     out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        kind, _, rest = key.partition(".")
-        sub, _, layer = rest.partition(".")
-        if kind != "sync":
-            out[key] = value
-            continue
-        number, offset, pieces = int(layer[1:]), 0, []
-        for p in _params(plan, number):
-            pieces.append(value[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
+    for _, sub, layer, value in _sync_items(state, out):
+        number = int(layer[1:])
+        pieces = _views(value, _params(plan, number))
         for unit, (owner, start, end) in enumerate(plan.units):
             if owner == number:
                 out[f"sync.{sub}.{unit}"] = torch.cat([(t if start is None else t[start:end]).reshape(-1)

@@ -5,7 +5,6 @@ from convoy.parallel.groups import ProcessGroups
 from convoy.parallel.shape import JobShape
 from convoy.train.config import TrainConfig
 from convoy.train.optim import needs_whole_step
-from convoy.train.ps import ps_settings
 
 
 def job_groups(config: TrainConfig, shape: JobShape) -> ProcessGroups:
@@ -18,7 +17,8 @@ def job_groups(config: TrainConfig, shape: JobShape) -> ProcessGroups:
         >>> groups = job_groups(config, shape)
     """
     checkpointing = config.checkpoint.dir is not None
+    strategy = config.strategy_spec()
     return ProcessGroups.create(shape, whole_step=needs_whole_step(config, shape.world_size), bookkeeping=True,
-                                ps=ps_settings(config) if config.sync.strategy == "ps" else None,
+                                **(strategy.groups(config) if strategy.groups is not None else {}),
                                 agree_every=checkpointing and config.checkpoint.every == "auto",
                                 agree_full=checkpointing and config.checkpoint.full_every == "auto")

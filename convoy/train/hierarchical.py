@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,8 @@ from convoy.checkpoint.files import rank_file
 from convoy.checkpoint.recovery import rank_file_tensors
 from convoy.checkpoint.written import recorded_job
 from convoy.cluster import load_profile_file, parse_weights
+from convoy.cluster.clustering import parse_clusters
+from convoy.cluster.options import check_cluster_options
 from convoy.cluster.plan import ClusterPlan, clusters_from_tensors, make_plan
 from convoy.cluster.profile import NodeProfile, profile_job
 from convoy.compress import Compressor, Memory
@@ -33,6 +36,7 @@ from convoy.utils.atomic import save_atomically
 from convoy.parallel.shape import JobShape
 from convoy.parallel.groups import cluster_network
 from convoy.sync.hierarchical import ClusterNetwork, Hierarchical
+from convoy.train.checks import at_least
 from convoy.train.config import TrainConfig
 from convoy.train.elastic import job_record, node_of_ranks, writers_of
 from convoy.train.elastic_layouts import plan_replan, replan_hierarchical
@@ -74,6 +78,27 @@ def build_hierarchy(config: TrainConfig, ctx: runtime.Context, shape: JobShape) 
     if old_world[0] is not None:
         _map_onto(config, ctx, plans[0], old_world[0])
     return Hierarchy(plans, [cluster_network(plan) for plan in plans])
+
+
+def hierarchical_syncs(config: TrainConfig, ctx: runtime.Context, shape: JobShape,
+                       total_steps: int) -> Callable[..., Hierarchical]:
+    """Plan every engine group's clusters (a collective, :func:`build_hierarchy`), then make each
+    engine's strategy: ``make(group, compressor, memory)``, ``group`` unused (the plan's own)."""
+    hierarchy = build_hierarchy(config, ctx, shape)
+    return lambda group, compressor, memory: hierarchy.strategy(ctx.rank, config, compressor, memory, total_steps)
+
+
+def hierarchical_shape(config: TrainConfig) -> dict[str, Any]:
+    """The clusters of every engine group (``auto``: chosen when the nodes are measured)."""
+    return {"clusters": parse_clusters(config.sync.clusters)}
+
+
+def check_hierarchical(config: TrainConfig, world: int) -> None:
+    """``--sync hierarchical``'s checks of the whole job on ``world`` processes (UsageError, one line)."""
+    sync = config.sync
+    at_least("exchange_every", sync.exchange_every, 1)
+    check_cluster_options(world, sync.clusters, sync.indicator_weights, sync.node_profile, sync.reelect_every,
+                          sync.server_choice)
 
 
 def _replanned(config: TrainConfig, world: int) -> int | None:

@@ -23,13 +23,11 @@ from convoy.engine.gradients import GradientGate, LossScaler
 from convoy.errors import JobStopped, TrainingDiverged, UsageError
 from convoy.models import build_model
 from convoy.utils.atomic import save_atomically
-from convoy.parallel import DataParallel, HybridParallel, ParallelLayout
+from convoy.parallel import ParallelLayout
 from convoy.parallel.groups import ProcessGroups
 from convoy.parallel.shape import JobShape
-from convoy.sync import AllReduce, SyncStrategy, ring_allreduce_bytes
+from convoy.sync import SyncStrategy, ring_allreduce_bytes
 from convoy.train.config import TrainConfig, save_config
-from convoy.train.hierarchical import build_hierarchy
-from convoy.train.ps import build_hybrid_ps_layout, build_ps_layout
 from convoy.train.elastic import adapt_to_checkpoint, finish_resharding, job_record
 from convoy.train.divergence import DivergenceGuard, StopAgreement, divergence_hint
 from convoy.train.metrics import MetricsWriter
@@ -169,37 +167,25 @@ def build_layout(config: TrainConfig, model: nn.Module, ctx: runtime.Context, to
     """
     shape = shape or config.job_shape(ctx.world_size)
     groups = groups if groups is not None else job_groups(config, shape)
-    optimizer_class, hyper = optimizer_spec(config)
-    # Every rank plans every group's clusters and builds their process groups, after the job's others.
-    hierarchy = build_hierarchy(config, ctx, shape) if config.sync.strategy == "hierarchical" else None
     scaler = LossScaler() if config.optim.amp == "fp16" else None
+    strategy, layout = config.strategy_spec(), config.layout_spec()
+    if strategy.layouts is not None:   # the strategy lays out the job itself (ps: servers and workers)
+        return strategy.layouts[layout.name](config, model, ctx, total_steps, input_shape, groups, scaler)
+    optimizer_class, hyper = optimizer_spec(config)
+    # Every rank makes the strategy's engines alike, after the job's groups (hierarchical: plans its clusters).
+    make_sync = strategy.syncs(config, ctx, shape, total_steps)
     gate_group = groups.whole_step
 
     def make_engine(part: nn.Module, group: dist.ProcessGroup | None) -> Engine:
         workers = dist.get_world_size(group) if group is not None else ctx.world_size
         compressor, memory = build_compression(config, workers)
-        if hierarchy is not None:
-            sync: SyncStrategy = hierarchy.strategy(ctx.rank, config, compressor, memory, total_steps)
-        else:
-            sync = AllReduce(group, compressor, memory, config.compress.warmup())
+        sync: SyncStrategy = make_sync(group, compressor, memory)
         # Hybrid: every rank of ``group`` holds the same averaged gradient of ``part``; each adds 1/workers of it.
         gate = GradientGate(config.optim.clip_grad_norm, scaler, gate_group, 1.0 / workers)
         return Engine(part, optimizer_class, sync, listeners=sync.listeners(),
                       lr_lambda=lr_lambda(config.optim.lr_schedule, total_steps), gate=gate, **hyper)
 
-    if config.sync.strategy == "ps" and config.parallel.layout == "hybrid":
-        return build_hybrid_ps_layout(config, model, ctx, total_steps, input_shape, groups, scaler)
-    if config.sync.strategy == "ps":
-        return build_ps_layout(config, model, ctx, total_steps, input_shape, groups, scaler)
-    if config.parallel.layout == "hybrid":
-        return HybridParallel(model, shape.hybrid_roles(), ctx.rank, input_shape, make_engine, config.parallel.split_at,
-                              sub_batches=config.parallel.sub_batches, grad_accum=config.optim.grad_accum,
-                              amp=config.optim.amp, scaler=scaler, engine_groups=groups.engines)
-    # The engine's group of its own keeps its collectives from interleaving with
-    # the training loop's (evaluation, bookkeeping) on the default group.
-    return DataParallel(model, make_engine(model, groups.engines[0]), ctx.rank, ctx.world_size,
-                        grad_accum=config.optim.grad_accum, amp=config.optim.amp, scaler=scaler)
-
+    return layout.build(config, model, ctx, input_shape, shape, groups, scaler, make_engine)
 
 
 def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, splits: DatasetSplits,

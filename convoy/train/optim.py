@@ -99,4 +99,4 @@ def needs_whole_step(config: TrainConfig, world_size: int) -> bool:
     and ``--parallel hybrid`` (the conv group holds one part, the FC group the other). Its group,
     every rank, is :attr:`convoy.parallel.groups.ProcessGroups.whole_step`."""
     needed = config.optim.clip_grad_norm is not None or config.optim.amp == "fp16"
-    return needed and world_size > 1 and (config.sync.strategy == "ps" or config.parallel.layout == "hybrid")
+    return needed and world_size > 1 and (config.strategy_spec().spreads_step or config.layout_spec().spreads_step)

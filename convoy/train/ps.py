@@ -5,9 +5,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from typing import Any
+
 from convoy import runtime
 from convoy.engine import Engine
 from convoy.engine.gradients import GradientGate, LossScaler
+from convoy.errors import UsageError
 from convoy.models import split_point
 from convoy.parallel import HybridParallel, HybridRoles, ParallelLayout
 from convoy.parallel.groups import ProcessGroups
@@ -26,6 +29,77 @@ def ps_settings(config: TrainConfig) -> PSSettings:
     sync = config.sync
     return PSSettings.resolve(config.ps_servers(), sync.priority, sync.channels, sync.slice_kb, sync.credit_kb,
                               sync.trace_steps if sync.trace else 0, sync.staleness, sync.shard_weights)
+
+
+def ps_shape(config: TrainConfig) -> dict[str, Any]:
+    """The job's dedicated server ranks (colocated servers are workers too: no ranks of their own)."""
+    servers = config.ps_servers()
+    return {"servers": 0 if servers == "colocated" else int(servers)}
+
+
+def ps_groups(config: TrainConfig) -> dict[str, Any]:
+    """The channels (and their acknowledgements) between servers and workers, created with the job's groups."""
+    return {"ps": ps_settings(config)}
+
+
+def ps_record(config: TrainConfig) -> dict[str, Any]:
+    """What a checkpoint records of the servers (a resume elsewhere needs the same kind)."""
+    return {"servers": config.ps_servers()}
+
+
+def check_ps(config: TrainConfig, world: int) -> None:
+    """``--sync ps``'s checks of the whole job on ``world`` processes (UsageError, one line).
+
+    The layouts are named here because ps builds both itself: its data-parallel one
+    (colocated or dedicated servers) and its hybrid one (dedicated servers after the roles).
+    """
+    servers = config.ps_servers()
+    if servers == "colocated":
+        _check_colocated(config, world)
+    else:
+        for flag, given in (("--staleness", config.sync.staleness), ("--shard-weights", config.sync.shard_weights)):
+            if given:
+                raise UsageError(f"{flag} needs --servers colocated")
+    if servers != "colocated" and servers >= world:
+        raise UsageError(f"--servers ({servers}) must be smaller than the number of processes ({world}): "
+                         "at least one rank must be a worker")
+    conv, fc = config.parallel.conv_workers, config.parallel.fc_workers
+    if config.parallel.layout == "hybrid" and conv and fc and conv + fc + int(servers) != world:
+        raise UsageError(f"--parallel hybrid --sync ps needs --nproc = --conv-workers + --fc-workers + --servers "
+                         f"= {conv + fc + servers} (the servers are the last ranks), got {world}")
+    if config.compress.block_selection == "global" and config.compress.name == "blocktopk":
+        raise UsageError("--block-selection global needs every rank to agree on the blocks (an all-reduce); "
+                         "a parameter server decodes each push alone: use --block-selection local with --sync ps")
+    if config.checkpoint.dir is not None and (servers not in (1, "colocated") or config.parallel.layout != "data"):
+        raise UsageError("--checkpoint-dir with --sync ps needs --servers colocated or 1 and --parallel data (the "
+                         "workers' rank files commit in step with the servers' files)")
+
+
+def _check_colocated(config: TrainConfig, world: int) -> None:
+    if world < 2:
+        raise UsageError(f"--servers colocated needs at least 2 processes, got {world}; give --nproc 2 or "
+                         "more, or train on one process without --sync ps")
+    if config.parallel.layout != "data":
+        raise UsageError("--servers colocated needs --parallel data; a hybrid job takes --servers S "
+                         "dedicated server ranks")
+    if config.sync.staleness:
+        _check_stale(config)
+    weights = config.sync.shard_weights
+    if weights and len(weights) != world:
+        raise UsageError(f"--shard-weights needs one share per process ({world}), got {len(weights)}")
+    if config.optim.clip_grad_norm is not None or config.optim.amp == "fp16":
+        raise UsageError("--clip-grad-norm and --amp fp16 are not supported with --servers colocated yet; "
+                         "give --servers S (dedicated servers) or leave them out")
+
+
+def _check_stale(config: TrainConfig) -> None:
+    staleness = f"--staleness {config.sync.staleness}"
+    if config.compress.name != "none":
+        raise UsageError(f"{staleness} with --compress {config.compress.name}: compressed pushes are not supported "
+                         "under bounded staleness yet; give --compress none or --staleness 0")
+    if config.checkpoint.dir is not None:
+        raise UsageError(f"{staleness} with --checkpoint-dir: checkpoints of a stale job are not supported yet "
+                         "(each rank's shard is up to S steps ahead of its worker); give --staleness 0")
 
 
 def example_batch(config: TrainConfig, input_shape: tuple[int, ...], device: torch.device) -> torch.Tensor:

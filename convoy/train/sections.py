@@ -19,7 +19,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from convoy.checkpoint.schedule import DEFAULT_BUDGET, DEFAULT_FULL_EVERY
 from convoy.cluster import (DEFAULT_CLUSTERS, DEFAULT_REELECT_EVERY, DEFAULT_SERVER_CHOICE, DEFAULT_WEIGHTS,
@@ -33,7 +33,9 @@ from convoy.runtime import DEFAULT_TIMEOUT_S
 from convoy.sync.hierarchical import DEFAULT_EXCHANGE_EVERY
 from convoy.train.checks import (MAX_BATCH_SIZE, MAX_COUNT, MAX_SAMPLE_ELEMENTS, MAX_SEED, MAX_TIMEOUT_S, at_least,
                                  check_fields, check_name, count_or_auto, fraction, max_local_processes, max_threads,
-                                 one_of, positive, within)
+                                 one_of, positive, refuse_options_of_others, within)
+from convoy.train.layouts import LAYOUTS
+from convoy.train.strategies import STRATEGIES
 
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "rmsprop", "adagrad")
 LR_SCHEDULE_NAMES = ("constant", "cosine")
@@ -49,18 +51,22 @@ SPARSE_WARMUP_STEPS = 100
 DEFAULT_EPOCHS = 60  # the default job's length, chosen by bench/default_job.py (>= 97% for seeds 0-2)
 
 
-def _opt(default: Any, help: str, *, flag: str | None = None, count: bool = False, path: bool = False) -> Any:
+def _opt(default: Any, help: str, *, flag: str | None = None, count: bool = False, path: bool = False,
+         choices: Callable[[], tuple[str, ...]] | None = None) -> Any:
     """A setting of a section.
 
     Args:
         default: its value when neither the config file nor a flag gives one.
-        help: its line in ``convoy train --help``.
+        help: its line in ``convoy train --help``; ``{choices}`` in it stands for ``choices()``.
         flag: its flat name (flag and top-level TOML key) when that is not the
             field's own name, e.g. ``checkpoint_dir`` for ``CheckpointConfig.dir``.
         count: a count, refused above MAX_COUNT.
         path: a path or import path, refused when empty.
+        choices: the registry's names it takes, read when the help is shown (a plug-in registered
+            by then is listed).
     """
-    return field(default=default, metadata={"help": help, "flag": flag, "count": count, "path": path})
+    return field(default=default, metadata={"help": help, "flag": flag, "count": count, "path": path,
+                                            "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -203,10 +209,10 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class SyncConfig:
-    """How workers exchange gradients (allreduce, hierarchical, ps)."""
+    """How workers exchange gradients (the ``--sync`` strategy and its options)."""
 
-    strategy: str = _opt("allreduce", "gradient synchronisation strategy: allreduce, hierarchical or ps",
-                         flag="sync")
+    strategy: str = _opt("allreduce", "gradient synchronisation strategy: {choices}", flag="sync",
+                         choices=STRATEGIES.names)
     clusters: str = _opt(DEFAULT_CLUSTERS, "hierarchical: number of node clusters K, or auto (the K with the best "
                          "silhouette score)")
     exchange_every: int = _opt(DEFAULT_EXCHANGE_EVERY, "hierarchical: T, batches per exchange cycle; the clusters' "
@@ -249,10 +255,9 @@ class SyncConfig:
         """The strategy's own options, with ``servers`` (an int or ``"colocated"``) and ``shard_weights``
         (the shares) parsed; the cluster count and the servers are checked against the world by TrainConfig."""
         from convoy.ps.settings import check, parse_servers, parse_shard_weights
-        from convoy.sync import SYNC_NAMES
 
         check_fields(self)
-        one_of("sync", self.strategy, SYNC_NAMES)
+        refuse_options_of_others(self, "sync", STRATEGIES.spec(self.strategy), STRATEGIES.specs())
         servers = self.servers if self.servers is None else parse_servers(self.servers)
         if isinstance(servers, int) and servers > MAX_COUNT:
             raise UsageError(f"--servers must be <= {MAX_COUNT}, got {servers}")
@@ -261,17 +266,6 @@ class SyncConfig:
         # The shares themselves from here on (links: resolved once).
         weights = self.shard_weights if self.shard_weights is None else parse_shard_weights(self.shard_weights)
         at_least("trace_steps", self.trace_steps, 1)
-        if self.strategy != "ps":
-            given = [f for f in ("servers", "channels", "slice_kb", "credit_kb", "shard_weights")
-                     if getattr(self, f) is not None]
-            if given or self.priority != "graph" or self.trace or self.staleness:
-                raise UsageError("--servers, --staleness, --shard-weights, --channels, --priority, --slice-kb, "
-                                 "--credit-kb and --trace need --sync ps")
-        if self.strategy != "hierarchical":
-            if self.node_profile is not None or self.indicator_weights is not None or self.clusters != "auto":
-                raise UsageError("--clusters, --indicator-weights and --node-profile need --sync hierarchical")
-        else:
-            at_least("exchange_every", self.exchange_every, 1)
         return dataclasses.replace(self, servers=servers, shard_weights=weights)
 
 
@@ -356,8 +350,8 @@ class ParallelConfig:
     """Processes and how the model is laid out over them."""
 
     nproc: int = _opt(2, "local worker processes to spawn (ignored under torchrun)")
-    layout: str = _opt("data", "parallel layout: data, or hybrid (conv layers data-parallel on "
-                       "--conv-workers, the FC head on --fc-workers)", flag="parallel")
+    layout: str = _opt("data", "parallel layout: {choices} (hybrid: conv layers data-parallel on "
+                       "--conv-workers, the FC head on --fc-workers)", flag="parallel", choices=LAYOUTS.names)
     conv_workers: int | None = _opt(None, "hybrid: I, the ranks 0..I-1 that train the conv layers", count=True)
     fc_workers: int | None = _opt(None, "hybrid: J, the ranks I..I+J-1 that train the FC head (I divisible by J)",
                                   count=True)
@@ -367,19 +361,10 @@ class ParallelConfig:
                             "head's compute (at most --batch-size)", count=True)
 
     def validate(self) -> ParallelConfig:
-        from convoy.parallel import PARALLEL_NAMES, HybridRoles
-
         check_fields(self)
         within("nproc", self.nproc, 1, max_local_processes())
-        one_of("parallel", self.layout, PARALLEL_NAMES)
+        refuse_options_of_others(self, "parallel", LAYOUTS.spec(self.layout), LAYOUTS.specs())
         at_least("sub_batches", self.sub_batches, 1)
-        if self.layout != "hybrid":
-            if self.conv_workers is not None or self.fc_workers is not None or self.sub_batches != 1:
-                raise UsageError("--conv-workers, --fc-workers and --sub-batches need --parallel hybrid")
-            return self
-        if self.conv_workers is None or self.fc_workers is None:
-            raise UsageError("--parallel hybrid needs --conv-workers I and --fc-workers J")
-        HybridRoles(self.conv_workers, self.fc_workers)
         return self
 
 
