@@ -36,6 +36,7 @@ from convoy.train.metrics import MetricsWriter
 from convoy.train.groups import job_groups
 from convoy.train.optim import build_compression, lr_lambda, optimizer_spec
 from convoy.utils.lifetime import StopRequest
+from convoy.utils.timeline import mark
 
 @dataclass
 class RunSummary:
@@ -70,17 +71,21 @@ def run(config: TrainConfig, stop: StopRequest | None = None) -> RunSummary:
     if config.checkpoint.dir is not None:   # created before anything reads it (a resharding, a cluster plan)
         check_directory(config.checkpoint.dir)
     ctx = runtime.init("nccl" if config.run.device == "cuda" else "gloo", timeout_s=config.run.timeout)
+    mark("process group")
     torch.set_num_threads(config.run.threads)
     splits = build_dataset(config.data.dataset, config.data.dir,
                            synthetic_shape=config.data.synthetic_dims(), seed=config.run.seed)
+    mark("dataset loaded")
     torch.manual_seed(config.run.seed)
     model = build_model(config.model.name, in_channels=splits.in_channels, num_classes=splits.num_classes,
                         image_size=splits.image_size).to(ctx.device)
     if config.checkpoint.init_from is not None:
         load_initial_state(model, config.checkpoint.init_from)
     broadcast_parameters(model)
+    mark("model built")
     # A checkpoint of another number of workers: its global batch is kept, its rank files re-dealt.
     config = adapt_to_checkpoint(config, model, ctx)
+    mark("checkpoint mapped")   # re-dealt onto this world, if it was another's
     shape = config.job_shape(ctx.world_size)
     groups = job_groups(config, shape)   # every process group of the job, in one order on every rank
     # A step's samples per worker: --grad-accum micro-batches of --batch-size.
@@ -91,6 +96,7 @@ def run(config: TrainConfig, stop: StopRequest | None = None) -> RunSummary:
     sampler = GlobalBatchSampler(len(splits.train), step_batch, layout.data_world_size, layout.data_rank,
                                  config.run.seed)
     session = start_checkpoints(config, layout, total_steps, len(sampler), groups)
+    mark("checkpoint restored")
     run_dir = resolve_run_dir(config.run.out, ctx.rank)
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -217,6 +223,8 @@ def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, sp
         sampler.set_epoch(epoch)
         for x, y in iterate_batches(splits.train, islice(sampler, skip, None)):
             loss, correct = layout.train_step(x.to(ctx.device), y.to(ctx.device))
+            if step == resume.step:
+                mark("first step")
             stopped = guard.check(step, loss, stop.signum)
             if last is not None:
                 bytes_sent += _record_step(metrics, layout, *last)
