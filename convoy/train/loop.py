@@ -168,7 +168,8 @@ def start_checkpoints(config: TrainConfig, layout: ParallelLayout, total_steps: 
     job = job_record(config, dist.get_world_size() if dist.is_initialized() else 1,
                      config.data.batch_size * config.optim.grad_accum * layout.data_world_size)
     settings = CheckpointSettings(config.checkpoint.dir, every, config.checkpoint.resume, config.run.timeout,
-                                  config.checkpoint.budget, config.checkpoint.full_every, job)
+                                  config.checkpoint.budget, config.checkpoint.full_every, job,
+                                  config.checkpoint.rank_files)
     module, group_ranks, full_names = layout.checkpoint_scope()
     return start_checkpointing(settings, module, layout.checkpoint_engine(), optimizer_class, hyper, total_steps,
                                steps_per_epoch, group_ranks, full_names, (groups.agree_every, groups.agree_full))

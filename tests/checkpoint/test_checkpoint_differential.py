@@ -7,9 +7,10 @@ record's write, inside a layer of a full snapshot, or at a random time; then
 the newest step every file holds is restored the way a resume does (snapshot
 plus replayed records) and must equal, bit for bit, an uninterrupted run's
 parameters and momentum buffers after that step, and its residuals after the
-full snapshot the log extends (blocktopk with local selection: the rank files
-are written only with the full snapshots, and a resume replays the steps
-since). The next trial resumes from the same directory.
+full snapshot the log extends (blocktopk with local selection and
+``rank_files="full"``: the rank files are written only with the full
+snapshots, and a resume replays the steps since). The next trial resumes from
+the same directory.
 """
 from __future__ import annotations
 
@@ -228,9 +229,10 @@ def test_sigkill_with_differential_checkpoints_recovers_a_bit_identical_step(tmp
 
 
 def _train_with_checkpoints(directory: Path, until: int, stop: int, compress: str = COMPRESS, every: int = 3,
-                            full_every: int | str = 2):
+                            full_every: int | str = 2, rank_files: str = checkpoint_job.RANK_FILES):
     model, engine, x, y = checkpoint_job.build_job(compress)
-    session = start_checkpointing(CheckpointSettings(str(directory), every=every, full_every=full_every), model,
+    settings = CheckpointSettings(str(directory), every=every, full_every=full_every, rank_files=rank_files)
+    session = start_checkpointing(settings, model,
                                   engine, torch.optim.SGD, checkpoint_job.HYPER, total_steps=stop,
                                   steps_per_epoch=checkpoint_job.STEPS_PER_EPOCH)
     checkpoint_job.train(model, engine, x, y, session.start.step, until)
@@ -283,15 +285,19 @@ def test_a_job_killed_between_full_snapshots_resumes_by_replay_bit_for_bit(tmp_p
         assert torch.equal(state[key], tensor), key
 
 
-@pytest.mark.parametrize("compress", ["powersgd", "blocktopk-global"])
-def test_where_replay_is_not_exact_rank_files_are_written_every_checkpoint(tmp_path, compress):
+@pytest.mark.parametrize("compress, rank_files", [("powersgd", "full"), ("blocktopk-global", "full"),
+                                                  (COMPRESS, "every")])
+def test_where_replay_is_not_exact_or_not_asked_for_rank_files_are_written_every_checkpoint(tmp_path, compress,
+                                                                                           rank_files):
     """PowerSGD's error uses the all-reduced factors, global block selection the summed scores: a
     rank cannot rebuild its residuals alone, so its file is written at every checkpoint and the
-    resume replays only the log's updates from the files."""
+    resume replays only the log's updates from the files. Local blocktopk could replay, but by
+    default (``rank_files="every"``) its files are written at every checkpoint too, so that a
+    resume on another world finds every rank's residuals of the newest step."""
     reference = checkpoint_job.reference_trace(12, compress)
-    _train_with_checkpoints(tmp_path, until=7, stop=100, compress=compress)
+    _train_with_checkpoints(tmp_path, until=7, stop=100, compress=compress, rank_files=rank_files)
     assert set(_rank_steps(tmp_path)) == {3, 6}
-    state, session = _train_with_checkpoints(tmp_path, until=12, stop=12, compress=compress)
+    state, session = _train_with_checkpoints(tmp_path, until=12, stop=12, compress=compress, rank_files=rank_files)
     assert (session.start.step, session.start.replay_to) == (6, None), session.start
     assert "3 differential steps replayed" in session.start.notes[-1]   # 4, 5 and 6, from the files
     for key, tensor in reference[12].items():
