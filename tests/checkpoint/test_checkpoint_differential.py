@@ -285,21 +285,32 @@ def test_a_job_killed_between_full_snapshots_resumes_by_replay_bit_for_bit(tmp_p
         assert torch.equal(state[key], tensor), key
 
 
-@pytest.mark.parametrize("compress, rank_files", [("powersgd", "full"), ("blocktopk-global", "full"),
-                                                  (COMPRESS, "every")])
-def test_where_replay_is_not_exact_or_not_asked_for_rank_files_are_written_every_checkpoint(tmp_path, compress,
-                                                                                           rank_files):
+@pytest.mark.parametrize("compress", ["powersgd", "blocktopk-global"])
+def test_where_replay_is_not_exact_rank_files_are_written_every_checkpoint(tmp_path, compress):
     """PowerSGD's error uses the all-reduced factors, global block selection the summed scores: a
     rank cannot rebuild its residuals alone, so its file is written at every checkpoint and the
-    resume replays only the log's updates from the files. Local blocktopk could replay, but by
-    default (``rank_files="every"``) its files are written at every checkpoint too, so that a
-    resume on another world finds every rank's residuals of the newest step."""
+    resume replays only the log's updates from the files."""
     reference = checkpoint_job.reference_trace(12, compress)
-    _train_with_checkpoints(tmp_path, until=7, stop=100, compress=compress, rank_files=rank_files)
+    _train_with_checkpoints(tmp_path, until=7, stop=100, compress=compress)
     assert set(_rank_steps(tmp_path)) == {3, 6}
-    state, session = _train_with_checkpoints(tmp_path, until=12, stop=12, compress=compress, rank_files=rank_files)
+    state, session = _train_with_checkpoints(tmp_path, until=12, stop=12, compress=compress)
     assert (session.start.step, session.start.replay_to) == (6, None), session.start
     assert "3 differential steps replayed" in session.start.notes[-1]   # 4, 5 and 6, from the files
+    for key, tensor in reference[12].items():
+        assert torch.equal(state[key], tensor), key
+
+
+def test_by_default_a_local_compressor_s_rank_files_hold_every_checkpoint_and_no_step_is_trained_again(tmp_path):
+    """Local blocktopk could rebuild its residuals by replay, but by default (``rank_files="every"``)
+    its file is written at every checkpoint, as PowerSGD's, so that a resume on another world
+    finds every rank's residuals of the newest step: a resume on the same one starts there too,
+    the model file's log applied to the snapshot, and ends as the uninterrupted run, bit for bit."""
+    reference = checkpoint_job.reference_trace(12, COMPRESS)
+    _train_with_checkpoints(tmp_path, until=7, stop=100, every=1, rank_files="every")
+    assert set(_rank_steps(tmp_path)) == {6, 7}, "the rank file was not written at every checkpoint"
+    state, session = _train_with_checkpoints(tmp_path, until=12, stop=12, every=1, rank_files="every")
+    assert (session.start.step, session.start.replay_to) == (7, None), session.start
+    assert "differential steps replayed" in session.start.notes[-1]   # the log's updates, from the files
     for key, tensor in reference[12].items():
         assert torch.equal(state[key], tensor), key
 
