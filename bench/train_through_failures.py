@@ -414,7 +414,7 @@ def summarize(name: str, failures: list[Failure], records: list[dict[str, Any]],
     t_also, _ = time_to(curve, args.also_target)
     killed = {kill["host"] for kill in kills}
     # A convoy job ends on its survivors; the peer's replaced hosts must end well too.
-    ending = {host: code for host, code in codes.items() if not (not peer and host in killed)}
+    ending = {host: code for host, code in codes.items() if peer or host not in killed}
     return {"strategy": name, "failures": f"every {args.kill_every}" if failures else "none",
             "peer": peer, f"time_to_{args.also_target:g}_s": t_also, "time_to_target_s": t_target,
             "steps_to_target": s_target, "kills": len(kills), "restarts": len(lives) - 1,

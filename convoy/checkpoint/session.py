@@ -212,7 +212,8 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
     if settings.resume is not False:
         model_reports = _open_reports(mpath, layout.signature(), layout)
         rank_reports = _open_reports(rpath, None, None)
-    # A checkpoint that some earlier run wrote by replay resumes by replay whatever this run writes.
+    # A resume may replay (rank files written only with the full snapshots, or a log past their
+    # newest step) whatever this run writes: its rank files are the listener's choice below.
     replay = replay_ok(engine, full_names)
     points = restore_points(mpath, model_reports or [])
     rank_steps = valid_steps(rank_reports or [])
