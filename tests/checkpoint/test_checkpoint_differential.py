@@ -306,11 +306,12 @@ def test_by_default_a_local_compressor_s_rank_files_hold_every_checkpoint_and_no
     finds every rank's residuals of the newest step: a resume on the same one starts there too,
     the model file's log applied to the snapshot, and ends as the uninterrupted run, bit for bit."""
     reference = checkpoint_job.reference_trace(12, COMPRESS)
-    _train_with_checkpoints(tmp_path, until=7, stop=100, every=1, rank_files="every")
+    # Full snapshots after steps 1 and 5, the updates of 6 and 7 logged.
+    _train_with_checkpoints(tmp_path, until=7, stop=100, every=1, full_every=4, rank_files="every")
     assert set(_rank_steps(tmp_path)) == {6, 7}, "the rank file was not written at every checkpoint"
-    state, session = _train_with_checkpoints(tmp_path, until=12, stop=12, every=1, rank_files="every")
+    state, session = _train_with_checkpoints(tmp_path, until=12, stop=12, every=1, full_every=4, rank_files="every")
     assert (session.start.step, session.start.replay_to) == (7, None), session.start
-    assert "differential steps replayed" in session.start.notes[-1]   # the log's updates, from the files
+    assert "2 differential steps replayed" in session.start.notes[-1]   # the log's updates, from the files
     for key, tensor in reference[12].items():
         assert torch.equal(state[key], tensor), key
 
