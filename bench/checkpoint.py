@@ -13,7 +13,11 @@ state checkpointed after every step by:
   with ``--compress`` differential checkpoints (the sparse update each step, a
   full snapshot as seldom as a budget of 2% of the step time needs, the
   interval measured by the listener: ``full_every="auto"``), and
-  ``convoy_full`` the same with a full snapshot every step;
+  ``convoy_full`` the same with a full snapshot every step, and
+  ``convoy_replay`` with the ranks' files written only with the full
+  snapshots (``rank_files="full"``: a local compressor's residuals are rebuilt
+  by replay on the same world; the default writes them every step, so a
+  resume on another world goes on from the newest step);
 - torch_save: rank 0 calls torch.save of the model and optimizer state after
   each step (synchronous, after engine.synchronize()); nothing is fsynced, so
   the checkpoint may still sit in the page cache when the machine goes down;
@@ -69,12 +73,13 @@ from convoy.sync import AllReduce  # noqa: E402
 from convoy.utils.atomic import save_atomically  # noqa: E402
 
 MODES = ("none", "convoy", "torch_save", "torch_save_fsync", "dcp_async")
+COMPRESSED_MODES = ("convoy_full", "convoy_replay")   # with --compress only
 
 
 def modes(compress: str, only: list[str] | None = None) -> tuple[str, ...]:
     """With compression, also convoy without differential checkpoints (a full snapshot each time);
     ``only``: just these (``none``, the baseline, always)."""
-    every = MODES if compress == "none" else MODES[:2] + ("convoy_full",) + MODES[2:]
+    every = MODES if compress == "none" else MODES[:2] + COMPRESSED_MODES + MODES[2:]
     return tuple(m for m in every if only is None or m == "none" or m in only)
 HYPER = {"lr": 0.01, "momentum": 0.9}
 DIFFERENTIAL_BUDGET = 0.02   # the share of step time a checkpoint riding on compression may cost
@@ -107,7 +112,8 @@ def _run_mode(rank: int, mode: str, name: str, batch: int, steps: int, root: Pat
     session, stalls, pending = None, [], [None]
     if mode.startswith("convoy"):
         full_every = 1 if mode == "convoy_full" else CheckpointSettings.full_every
-        settings = CheckpointSettings(str(directory), resume=False, full_every=full_every, budget=DIFFERENTIAL_BUDGET)
+        settings = CheckpointSettings(str(directory), resume=False, full_every=full_every, budget=DIFFERENTIAL_BUDGET,
+                                      rank_files="full" if mode == "convoy_replay" else CheckpointSettings.rank_files)
         session = start_checkpointing(settings, model, engine,
                                       torch.optim.SGD, HYPER, total_steps=10**9, steps_per_epoch=10**9,
                                       agree_groups=(groups.agree_every, groups.agree_full))
@@ -262,7 +268,7 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="suffix of the result files' name (a paired run of a few modes)")
     parser.add_argument("--compress", default="none", choices=compressor_names(),
                         help="compress the exchange (with error feedback); convoy then writes differential checkpoints")
-    parser.add_argument("--modes", nargs="+", choices=MODES + ("convoy_full",),
+    parser.add_argument("--modes", nargs="+", choices=MODES + COMPRESSED_MODES,
                         help="run only these modes (and none, the baseline); default: all")
     args = parser.parse_args()
     rows, timelines, load_before = [], {}, os.getloadavg()[0]
@@ -348,6 +354,13 @@ BLOCKS = (
           partial(render_checkpoint, "checkpoint_blocktopk_long"),
           rerun="python bench/checkpoint.py --models resnet18 --steps 110 --rounds 3 --compress blocktopk "
                 "--modes none convoy --tag long"),
+    Block("checkpoint_blocktopk_rank_files", "Rank files every checkpoint against only with the full snapshots "
+          "(blocktopk)", ("checkpoint_blocktopk_rank_files",),
+          "no checkpoint, the three modes alternating: convoy writes every rank's residuals at every checkpoint "
+          "(the default), convoy_replay only with the full snapshots (--checkpoint-rank-files full)",
+          partial(render_checkpoint, "checkpoint_blocktopk_rank_files"),
+          rerun="python bench/checkpoint.py --models vgg_fc resnet18 --steps 30 --rounds 3 --compress blocktopk "
+                "--modes none convoy convoy_replay --tag rank_files"),
 )
 
 

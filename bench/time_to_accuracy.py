@@ -76,17 +76,19 @@ STRATEGIES: dict[str, list[str]] = {
 DEFAULT_STRATEGIES = [FLOOR, *TUNED_PEERS, "dense", "convoy-powersgd-r4", "blocktopk", "fp16"]
 
 
-def strategy_command(name: str, args: argparse.Namespace, out: Path) -> list[str]:
+def strategy_command(name: str, args: argparse.Namespace, out: Path, words: list[str] | None = None) -> list[str]:
     """Strategy ``name``'s command (``train ...`` or ``SCRIPT.py ...``) with the run's flags (``args``:
-    model, lr, batch_size, steps, eval_every, target, warmup_steps, hosts, cluster) and run folder ``out``."""
+    model, lr, batch_size, steps, eval_every, target, warmup_steps, hosts, cluster) and run folder ``out``;
+    ``words``: the strategy's own words when it is none of :data:`STRATEGIES` (default: its entry there)."""
+    words = STRATEGIES[name] if words is None else words
     common = ["--model", args.model, "--lr", str(args.lr), "--batch-size", str(args.batch_size),
               "--steps", str(args.steps), "--eval-every", str(args.eval_every),
               "--stop-at-accuracy", str(args.target), "--out", str(out)]
-    own = ["--no-progress"] if STRATEGIES[name][0] == "train" else []
+    own = ["--no-progress"] if words[0] == "train" else []
     if own and args.warmup_steps is not None:
         own += ["--warmup-steps", str(args.warmup_steps)]
     placeholders = {LINK_SHARES: lambda: link_shares(args), TENTH_OF_STEPS: lambda: str(max(2, args.steps // 10))}
-    return [placeholders[word]() if word in placeholders else word for word in STRATEGIES[name]] + common + own
+    return [placeholders[word]() if word in placeholders else word for word in words] + common + own
 
 
 def run_strategy(name: str, args: argparse.Namespace, out: Path) -> dict:

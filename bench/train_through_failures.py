@@ -19,7 +19,10 @@ twice, in this order: without failures, then with a host killed every K steps
   batch must divide over H, H - 1, ... workers (``--batch-size 15``: 60 over
   4, 3, 2, 1), and why at most H - 1 hosts are killed.
 - the DDP peer (bench/peers/ddp_train.py, a DCP checkpoint every
-  ``--ddp-checkpoint-every`` steps) runs under a static ``--nnodes H`` with
+  ``--ddp-checkpoint-every`` steps; ``tuned-peer``: torch's PowerSGD hook at
+  the rank that reached the target soonest in bench/time_to_accuracy.py's
+  sweep of tuned peers for the same model and rate, read from its result
+  file, or ``--peer-rank``) runs under a static ``--nnodes H`` with
   ``--max-restarts``: after a failure its agents wait for the full world, so
   the lost host is replaced, its agent started again ``--replace-after``
   seconds after the kill (0: at once, the peer's best case, a spare host
@@ -39,15 +42,21 @@ recorded before a failure and trained again after it: convoy records a step
 when the next one ends, so it may have lost one more step than it shows),
 restarts seen, the time down (from each kill to the first step the job
 records after it: detection, rendezvous, start-up, resume), the final
-accuracy and the hosts the job ended on. Writes
+accuracy and the hosts the job ended on; with ``--timeline``, when each step
+of every recovery happened (``downtime_parts``: the agents' time-stamped log
+lines, the workers' ``convoy.utils.timeline`` marks). Every agent's rendezvous
+takes ``convoy.emulation.agents.FAST_RENDEZVOUS`` unless ``--last-call`` and
+``--keep-alive`` say otherwise. Writes
 bench/results/train_through_failures_<model>_<rate>.{json,md,png}; the plot
 is accuracy against wall time with the failures marked.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -60,9 +69,10 @@ from typing import IO, Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, save  # noqa: E402
 from bench.figures import Block, load, number, percent, seconds, table, times  # noqa: E402
-from bench.time_to_accuracy import PEER, STRATEGIES, strategy_command  # noqa: E402
+from bench.time_to_accuracy import PEER, STRATEGIES, TUNED_PEERS, strategy_command  # noqa: E402
 from convoy.emulation import EmulatedCluster, Topology, parse_rate  # noqa: E402
-from convoy.emulation.agents import agent_command, agent_environment  # noqa: E402
+from convoy.emulation.agents import FAST_RENDEZVOUS, agent_command, agent_environment, rdzv_conf  # noqa: E402
+from convoy.utils import timeline  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # What an agent's workers print that says what happened to the job (resumes, re-deals, lost peers).
@@ -175,15 +185,110 @@ class MetricsTail:
         return [{**json.loads(line), "at": at, "life": self.life} for line in lines if line.strip()]
 
 
-def _convoy(name: str) -> bool:
-    return STRATEGIES[name][0] == "train"
+TIMELINE = "timeline.jsonl"   # the workers' marks (convoy.utils.timeline), every life's, in the run's folder
+# A torch log line: level, month, day, time, pid, source] message (the agents log so with LOGLEVEL=INFO).
+_TORCH_LOG = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d\.\d+) +\d+ \S+\] (.*)$")
+# What an agent logs on the way from its worker's failure to the next workers: (part, what the line says).
+AGENT_STEPS = (("agent saw the worker fail", "failed (exitcode"), ("rendezvous complete", "Rendezvous complete for"),
+               ("workers started", "Starting worker group"))
+# The workers' marks, in the order a life of the job passes them.
+WORKER_STEPS = ("exec", "imported", "process group", "dataset loaded", "model built", "checkpoint mapped",
+                "checkpoint restored", "replay ended", "first step")
 
 
-def job_entry(name: str, args: argparse.Namespace, out: Path, checkpoints: Path) -> list[str]:
-    """What torchrun starts on each host for strategy ``name``: its command from bench/time_to_accuracy.py
-    with the run's flags, checkpointing into ``checkpoints``."""
-    command = strategy_command(name, args, out)
-    if _convoy(name):
+def agent_events(log: Path) -> list[tuple[float, str]]:
+    """(wall time, message) of each torch log line of an agent's log (this year's dates assumed)."""
+    year, out = datetime.date.today().year, []
+    for line in log.read_text(errors="replace").splitlines():
+        match = _TORCH_LOG.match(line)
+        if match:
+            month, day, hour, minute, sec, message = match.groups()
+            stamp = datetime.datetime(year, int(month), int(day), int(hour), int(minute)) + \
+                datetime.timedelta(seconds=float(sec))
+            out.append((stamp.timestamp(), message))
+    return out
+
+
+def downtime_parts(kills: list[dict[str, Any]], logs: list[Path], marks: Path) -> list[dict[str, float]]:
+    """For each kill, when each step of the recovery happened, in seconds after the kill: the
+    agents' (:data:`AGENT_STEPS`, from their time-stamped logs) and the new workers'
+    (:data:`WORKER_STEPS`, their timeline marks), each the latest over the agents or ranks, as
+    the job goes on only once all of them are there."""
+    events = [event for log in logs for event in agent_events(log)]
+    worker = [json.loads(line) for line in marks.read_text().splitlines()] if marks.exists() else []
+    out = []
+    for i, kill in enumerate(kills):
+        start = kill["wall"]
+        end = kills[i + 1]["wall"] if i + 1 < len(kills) else float("inf")
+        parts: dict[str, float] = {}
+        for part, says in AGENT_STEPS:
+            times = [t for t, message in events if start <= t < end and says in message]
+            if times:
+                parts[part] = max(times) - start
+        for step in WORKER_STEPS:
+            times = [m["t"] for m in worker if m["event"] == step and start <= m["t"] < end]
+            if times:
+                parts[step] = max(times) - start
+        out.append(parts)
+    return out
+
+
+def print_downtime(name: str, parts: list[dict[str, float]]) -> None:
+    """Each kill's recovery: every step's time after the kill and since the step before."""
+    for i, steps in enumerate(parts):
+        print(f"{name}: failure {i + 1}, seconds after the kill (latest agent or rank), and since the step before:")
+        last = 0.0
+        for step, at in sorted(((s, t) for s, t in steps.items() if t is not None), key=lambda item: item[1]):
+            print(f"  {step:28s} {at:7.2f}  +{at - last:.2f}")
+            last = at
+
+
+TUNED = "tuned-peer"   # --strategies: DDP + PowerSGD at the rank tuned_peer_rank finds (or --peer-rank)
+
+
+def _convoy(words: list[str]) -> bool:
+    return words[0] == "train"
+
+
+def tuned_peer_rank(model: str, rate: str) -> tuple[int, str]:
+    """The PowerSGD rank of the DDP + PowerSGD hook peer that reached the target soonest in
+    bench/time_to_accuracy.py's sweep of tuned peers for ``model`` at ``rate`` (its result file, the
+    one place the tuning is recorded), and why, in words.
+
+    Raises:
+        ValueError: no such result, or no PowerSGD peer in it reached its target.
+
+    Example::
+
+        >>> tuned_peer_rank("vgg_fc", "100mbit")
+        (4, 'ddp-powersgd-r4: the soonest of DDP + PowerSGD at ranks 1, 2, 4, 8 to 97% (65.8 s) in ...')
+    """
+    name = f"time_to_accuracy_{model}_{rate}"
+    data = load(name)
+    if data is None:
+        raise ValueError(f"no bench/results/{name}.json: run bench/time_to_accuracy.py --model {model} --rate {rate} "
+                         "(its tuned peers), or pass --peer-rank")
+    # Plain PowerSGD peers only: a warm-up or the fp16 hook is another peer, not a rank of this one.
+    ranks = {row["strategy"]: int(TUNED_PEERS[row["strategy"]][2]) for row in data["rows"]
+             if TUNED_PEERS.get(row["strategy"], [None, None])[1:2] == ["--powersgd-rank"]
+             and len(TUNED_PEERS[row["strategy"]]) == 3}
+    timed = [(row["time_to_target_s"], row["strategy"]) for row in data["rows"]
+             if row["strategy"] in ranks and row.get("time_to_target_s")]
+    if not timed:
+        raise ValueError(f"bench/results/{name}.json: no DDP + PowerSGD peer reached its target; pass --peer-rank")
+    seconds_, best = min(timed)
+    target = data["settings"].get("target", 0.97)
+    tried = ", ".join(str(r) for r in sorted(ranks.values()))
+    return ranks[best], (f"{best}: the soonest of DDP + PowerSGD at ranks {tried} to {target:.0%} "
+                         f"({seconds_:.1f} s) in bench/results/{name}.json")
+
+
+def job_entry(name: str, words: list[str], args: argparse.Namespace, out: Path, checkpoints: Path) -> list[str]:
+    """What torchrun starts on each host for strategy ``name`` (``words``: its own, as in
+    bench/time_to_accuracy.py's STRATEGIES): its command with the run's flags, checkpointing into
+    ``checkpoints``."""
+    command = strategy_command(name, args, out, words)
+    if _convoy(words):
         return ["-m", "convoy", *command, "--checkpoint-dir", str(checkpoints),
                 "--timeout", str(args.collective_timeout)]
     return [*command, "--checkpoint-dir", str(checkpoints), "--checkpoint-every", str(args.ddp_checkpoint_every)]
@@ -192,12 +297,12 @@ def job_entry(name: str, args: argparse.Namespace, out: Path, checkpoints: Path)
 class Job:
     """One strategy's agents on a fresh emulated cluster, with their logs; hosts killed and replaced."""
 
-    def __init__(self, name: str, cluster: EmulatedCluster, args: argparse.Namespace, work: Path):
+    def __init__(self, name: str, words: list[str], cluster: EmulatedCluster, args: argparse.Namespace, work: Path):
         self.name, self.cluster, self.args, self.work = name, cluster, args, work
-        self.entry = job_entry(name, args, work / "run", work / "ckpt")
+        self.entry = job_entry(name, words, args, work / "run", work / "ckpt")
         hosts = cluster.topology.hosts
         # convoy goes on with the survivors; the peer needs its full world back.
-        self.nnodes = f"1:{hosts}" if _convoy(name) else str(hosts)
+        self.nnodes = f"1:{hosts}" if _convoy(words) else str(hosts)
         self.agents: dict[int, subprocess.Popen] = {}
         self.logs: list[Path] = []
         self._files: list[IO[str]] = []
@@ -210,9 +315,14 @@ class Job:
         self._files.append(handle)
         argv = agent_command(self.cluster, host, self.run_id, self.entry, nnodes=self.nnodes,
                              agent=("--max-restarts", str(self.args.max_restarts)),
-                             rdzv_conf=f"last_call_timeout={self.args.last_call}")
+                             rdzv_conf=rdzv_conf(last_call_timeout=self.args.last_call,
+                                                 keep_alive_interval=self.args.keep_alive[0],
+                                                 keep_alive_max_attempt=self.args.keep_alive[1]))
         # A host that joins a later round (the peer's replacement) needs the store published every round.
-        env = agent_environment({"PYTHONPATH": str(ROOT), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+        extra = {"PYTHONPATH": str(ROOT), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        if self.args.timeline:   # the agents' rendezvous steps (time-stamped) and the workers' marks
+            extra.update({"LOGLEVEL": "INFO", timeline.ENV: str(self.work / TIMELINE)})
+        env = agent_environment(extra)
         self.agents[host] = subprocess.Popen(argv, cwd=self.work, env=env, stdout=handle, stderr=subprocess.STDOUT,
                                              text=True, start_new_session=True)
 
@@ -235,12 +345,13 @@ class Job:
                 if line.strip().startswith(SAID)]
 
 
-def run_job(name: str, failures: list[Failure], args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """Strategy ``name`` to the target on a fresh cluster, ``failures`` injected; its row."""
+def run_job(name: str, words: list[str], failures: list[Failure], args: argparse.Namespace,
+            work: Path) -> dict[str, Any]:
+    """Strategy ``name`` (``words``: its own) to the target on a fresh cluster, ``failures`` injected; its row."""
     work.mkdir(parents=True)
     topology = Topology(args.hosts, parse_rate(args.rate), own_cores=True)
     with EmulatedCluster(topology) as cluster:
-        job = Job(name, cluster, args, work)
+        job = Job(name, words, cluster, args, work)
         began = time.monotonic()
         for host in range(args.hosts):
             job.start(host)
@@ -262,8 +373,8 @@ def run_job(name: str, failures: list[Failure], args: argparse.Namespace, work: 
                     failure = pending.pop(0)
                     job.kill(failure.host)
                     kills.append({"step": done, "host": failure.host, "at": time.monotonic() - began,
-                                  "life": tail.life})
-                    if not _convoy(name):
+                                  "life": tail.life, "wall": time.time()})
+                    if not _convoy(words):
                         replacements.append((time.monotonic() + args.replace_after, failure.host))
                     done = 0   # the next failure waits for the next life to reach its step
                 for due, host in [r for r in replacements if r[0] <= now]:
@@ -276,12 +387,20 @@ def run_job(name: str, failures: list[Failure], args: argparse.Namespace, work: 
         wall = time.monotonic() - began
         codes = {host: agent.returncode for host, agent in job.agents.items()}
         said = job.said()
-    return {**summarize(name, failures, records, kills, codes, said, wall, args), "world_at_start": world}
+        parts = downtime_parts(kills, job.logs, work / TIMELINE) if args.timeline else None
+    row = {**summarize(name, failures, records, kills, codes, said, wall, args, peer=not _convoy(words)),
+           "world_at_start": world}
+    if parts is not None:
+        first_records = [row["down_per_restart_s"][i] if i < len(row["down_per_restart_s"]) else None
+                         for i in range(len(kills))]
+        row["downtime_parts"] = [{**p, "first step recorded": d} for p, d in zip(parts, first_records)]
+    return row
 
 
 def summarize(name: str, failures: list[Failure], records: list[dict[str, Any]], kills: list[dict[str, Any]],
-              codes: dict[int, int], said: list[str], wall: float, args: argparse.Namespace) -> dict[str, Any]:
-    """A run's row from rank 0's records (``at``, ``life``) and the kills made."""
+              codes: dict[int, int], said: list[str], wall: float, args: argparse.Namespace,
+              peer: bool) -> dict[str, Any]:
+    """A run's row from rank 0's records (``at``, ``life``) and the kills made; ``peer``: a DDP peer's run."""
     evals = [r for r in records if r["kind"] == "eval"]
     curve = [(r["at"], r["step"], r["test_accuracy"]) for r in evals]
     lives = [sorted(r["step"] for r in records if r["kind"] == "step" and r["life"] == life)
@@ -295,9 +414,9 @@ def summarize(name: str, failures: list[Failure], records: list[dict[str, Any]],
     t_also, _ = time_to(curve, args.also_target)
     killed = {kill["host"] for kill in kills}
     # A convoy job ends on its survivors; the peer's replaced hosts must end well too.
-    ending = {host: code for host, code in codes.items() if not (_convoy(name) and host in killed)}
+    ending = {host: code for host, code in codes.items() if peer or host not in killed}
     return {"strategy": name, "failures": f"every {args.kill_every}" if failures else "none",
-            "peer": not _convoy(name), f"time_to_{args.also_target:g}_s": t_also, "time_to_target_s": t_target,
+            "peer": peer, f"time_to_{args.also_target:g}_s": t_also, "time_to_target_s": t_target,
             "steps_to_target": s_target, "kills": len(kills), "restarts": len(lives) - 1,
             "steps_redone": sum(redone), "down_s": sum(down), "final_accuracy": curve[-1][2] if curve else None,
             "final_step": max((s for life in lives for s in life), default=-1) + 1,
@@ -366,22 +485,34 @@ def main() -> None:
     parser.add_argument("--also-target", type=float, default=0.95)
     parser.add_argument("--warmup-steps", type=int, default=None, help="convoy's compressors' warm-up (default: "
                         "convoy train's own)")
-    parser.add_argument("--strategies", nargs="+", default=["blocktopk", "convoy-powersgd", "powersgd"],
-                        choices=ELIGIBLE, help="convoy data-parallel strategies and DDP peers of "
-                        "bench/time_to_accuracy.py (default: blocktopk convoy-powersgd powersgd, the last DDP + "
-                        "torch's PowerSGD hook, rank 2)")
+    parser.add_argument("--strategies", nargs="+", default=["blocktopk", "convoy-powersgd", TUNED],
+                        choices=ELIGIBLE + [TUNED], help="convoy data-parallel strategies and DDP peers of "
+                        f"bench/time_to_accuracy.py, and {TUNED}: DDP + torch's PowerSGD hook at the tuned rank "
+                        f"(see --peer-rank; default: blocktopk convoy-powersgd {TUNED})")
+    parser.add_argument("--peer-rank", type=int, help=f"the PowerSGD rank of {TUNED} (default: that of the DDP + "
+                        "PowerSGD peer soonest to its target in bench/time_to_accuracy.py's sweep of tuned peers for "
+                        "the same --model and --rate, read from its result file)")
     parser.add_argument("--kill-every", type=int, default=80, help="K: a host dies every K steps")
     parser.add_argument("--max-failures", type=int, default=None, help="at most this many (default: hosts - 1)")
     parser.add_argument("--ddp-checkpoint-every", type=int, default=20, help="the DDP peer's DCP checkpoint "
                         "interval, in steps (the failures fall mid-way through one)")
     parser.add_argument("--replace-after", type=float, default=0.0, help="seconds after a kill until the DDP "
                         "peer's host is back (default: 0, a spare standing by)")
-    parser.add_argument("--last-call", type=int, default=5, help="seconds the rendezvous waits for more "
-                        "hosts once it has the fewest it takes (convoy's elastic jobs: also at the start)")
+    parser.add_argument("--last-call", type=int, default=FAST_RENDEZVOUS["last_call_timeout"], help="seconds the "
+                        "rendezvous waits for more hosts once it has the fewest it takes (convoy's elastic jobs: "
+                        "also at the start; default: convoy.emulation.agents.FAST_RENDEZVOUS's)")
+    parser.add_argument("--keep-alive", type=int, nargs=2, metavar=("SECONDS", "BEATS"),
+                        default=[FAST_RENDEZVOUS["keep_alive_interval"], FAST_RENDEZVOUS["keep_alive_max_attempt"]],
+                        help="a host's keep-alive interval and the beats it may miss before the rendezvous drops "
+                        "it (a lost host is dropped that long after its last beat; default: FAST_RENDEZVOUS's)")
     parser.add_argument("--max-restarts", type=int, default=8, help="torchrun --max-restarts")
     parser.add_argument("--collective-timeout", type=float, default=60.0, help="convoy train --timeout")
     parser.add_argument("--job-timeout", type=float, default=1800.0, help="give a run up after this many seconds")
     parser.add_argument("--no-failures-only", action="store_true", help="only the runs without failures")
+    parser.add_argument("--failures-only", action="store_true", help="only the runs with failures")
+    parser.add_argument("--timeline", action="store_true", help="time each step of every recovery (the agents "
+                        "log at INFO, the workers mark their start-up: convoy.utils.timeline) and record it "
+                        "as each run's downtime_parts")
     parser.add_argument("--work", help="keep the runs' folders, checkpoints and agents' logs here (default: a "
                         "temporary folder, removed)")
     parser.add_argument("--tag", help="suffix of the result files' names")
@@ -395,21 +526,42 @@ def main() -> None:
               f"divide over {', '.join(map(str, bad))} workers, so convoy could not go on; try --batch-size 15",
               file=sys.stderr)
         sys.exit(2)
+    commands = {name: STRATEGIES[name] for name in args.strategies if name != TUNED}
+    if TUNED in args.strategies:
+        if args.peer_rank is not None:
+            if args.peer_rank < 1:
+                print(f"train_through_failures: error: --peer-rank must be >= 1, got {args.peer_rank}",
+                      file=sys.stderr)
+                sys.exit(2)
+            args.peer_rank_why = f"--peer-rank {args.peer_rank}, as given"
+        else:
+            try:
+                args.peer_rank, args.peer_rank_why = tuned_peer_rank(args.model, args.rate)
+            except ValueError as exc:
+                print(f"train_through_failures: error: {exc}", file=sys.stderr)
+                sys.exit(2)
+        peer = f"ddp-powersgd-r{args.peer_rank}"
+        commands[peer] = [PEER, "--powersgd-rank", str(args.peer_rank)]
+        args.strategies = [peer if name == TUNED else name for name in args.strategies]
+        print(f"peer: DDP + PowerSGD at rank {args.peer_rank} ({args.peer_rank_why})", flush=True)
     load_before = os.getloadavg()[0]
     print(f"failures: {', '.join(f'host {f.host} at step {f.step}' for f in failures)}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="convoy-failures-") as tmp:
         tmp = args.work or tmp
         for name in args.strategies:
-            for injected in ([[]] if args.no_failures_only else [[], failures]):
+            for injected in ([[]] if args.no_failures_only else [failures] if args.failures_only else [[], failures]):
                 work = Path(tmp, f"{name}-{'failures' if injected else 'none'}")
                 try:
-                    rows.append(run_job(name, injected, args, work))
+                    rows.append(run_job(name, commands[name], injected, args, work))
                 except RuntimeError as exc:   # one failing run must not lose the others' figures
                     print(exc, file=sys.stderr, flush=True)
                     rows.append({"strategy": name, "failures": "none" if not injected else f"every {args.kill_every}",
                                  "error": str(exc), "curve": [], "kill_log": [], "clean_exit": False})
-                print({k: v for k, v in rows[-1].items() if k not in ("curve", "said")}, flush=True)
+                print({k: v for k, v in rows[-1].items() if k not in ("curve", "said", "downtime_parts")},
+                      flush=True)
+                if rows[-1].get("downtime_parts"):
+                    print_downtime(name, rows[-1]["downtime_parts"])
     name = f"train_through_failures_{args.model}_{args.rate}" + (f"_{args.tag}" if args.tag else "")
     settings = {**vars(args), "schedule": [asdict(f) for f in failures], "cpus": os.cpu_count(),
                 "load_average_1min": [load_before, os.getloadavg()[0]]}
@@ -420,6 +572,15 @@ def main() -> None:
 
 
 # The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def peer_line(settings: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """Which PowerSGD rank the run's DDP peer had, and why (runs before --peer-rank: their strategy's)."""
+    if settings.get("peer_rank"):
+        return f"The peer: DDP + PowerSGD at rank {settings['peer_rank']} ({settings.get('peer_rank_why', '')}).\n\n"
+    ranks = {STRATEGIES[r["strategy"]][2] for r in rows if r.get("peer") and r["strategy"] in STRATEGIES
+             and STRATEGIES[r["strategy"]][1:2] == ["--powersgd-rank"]}
+    return f"The peer: DDP + PowerSGD at rank {', '.join(sorted(ranks))}, as the run named it.\n\n" if ranks else ""
+
 
 def render_train_through_failures(name: str) -> str:
     """Each run: times to the two levels, what its failures cost against the same strategy's run without
@@ -449,16 +610,42 @@ def render_train_through_failures(name: str) -> str:
                       else "-",
                       percent(r.get("final_accuracy")), number(r.get("hosts_at_end")),
                       "yes" if r.get("clean_exit") else "no"])
-    return table(["strategy", "job", "failures", f"time to {settings.get('also_target', 0.95):.0%}",
-                  "vs no failures", f"time to {target:.0%}", "vs no failures", "steps re-done", "restarts",
-                  "time down", "final accuracy", "hosts at the end", "clean exit"], cells)
+    also_level = f"time to {settings.get('also_target', 0.95):.0%}"
+    return peer_line(settings, rows) + table(["strategy", "job", "failures", also_level, "vs no failures",
+                                              f"time to {target:.0%}", "vs no failures", "steps re-done", "restarts",
+                                              "time down", "final accuracy", "hosts at the end", "clean exit"], cells)
+
+
+def render_downtime(name: str) -> str:
+    """Each failure's recovery, step by step (a run with ``--timeline``): when each step was reached
+    after the kill, and what it took since the one before."""
+    data = load(name) or {}
+    runs = [(row["strategy"], i, parts) for row in data.get("rows", [])
+            for i, parts in enumerate(row.get("downtime_parts") or [])]
+    steps = [s for s in [*[part for part, _ in AGENT_STEPS], *WORKER_STEPS, "first step recorded"]
+             if any(parts.get(s) is not None for _, _, parts in runs)]   # a run without the step's mark: none
+    cells = []
+    for strategy, i, parts in runs:
+        reached = sorted(((parts[s], s) for s in steps if parts.get(s) is not None))
+        since = {s: t - before for (before, _), (t, s) in zip([(0.0, "")] + reached, reached)}
+        cells.append([strategy, number(i + 1),
+                      *[f"{parts[s]:.2f} s (+{since[s]:.2f})" if s in since else "-" for s in steps]])
+    return table(["strategy", "failure", *steps], cells)
 
 
 BLOCKS = (
+    Block("train_through_failures_timeline", "A failure's downtime, step by step: vgg_fc, 3 hosts at 100 Mbit, one "
+          "killed", ("train_through_failures_vgg_fc_100mbit_recovery_probe",),
+          "nothing: each step's time after the kill (the latest agent or rank to reach it) and since the step before",
+          partial(render_downtime, "train_through_failures_vgg_fc_100mbit_recovery_probe"),
+          rerun="flock /tmp/convoy-netns.lock python bench/train_through_failures.py --hosts 3 --batch-size 20 "
+                "--steps 70 --kill-every 30 --max-failures 1 --strategies blocktopk convoy-powersgd --failures-only "
+                "--timeline --tag recovery_probe", emulated=True),
     Block("train_through_failures", "Training through failures: vgg_fc, 4 hosts at 100 Mbit, a host killed every "
           "80 steps", ("train_through_failures_vgg_fc_100mbit",),
-          "torch DDP + torch's PowerSGD hook (rank 2) with a DCP checkpoint every 20 steps, restarted by torchrun "
-          "on the full world (the lost host replaced at once), in the same run; and each strategy without failures",
+          "torch DDP + torch's PowerSGD hook (at the rank named above the table) with a DCP checkpoint every 20 "
+          "steps, restarted by torchrun on the full world (the lost host replaced at once), in the same run; and "
+          "each strategy without failures",
           partial(render_train_through_failures, "train_through_failures_vgg_fc_100mbit"),
           rerun="flock /tmp/convoy-netns.lock python bench/train_through_failures.py --model vgg_fc --kill-every 80",
           emulated=True),

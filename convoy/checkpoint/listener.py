@@ -34,6 +34,7 @@ from convoy.checkpoint.persister import CheckpointFiles, LayerWrite, Persister, 
 from convoy.checkpoint.schedule import DEFAULT_BUDGET, Agree, Schedule
 from convoy.checkpoint.snapshot import layer_sources, module_buffers, rank_state
 from convoy.core import Listener, SyncStrategy
+from convoy.utils.timeline import mark
 
 
 class EngineLayer(Protocol):
@@ -290,6 +291,7 @@ class CheckpointListener(Listener):
     def _replay_ended(self) -> None:
         """The resume's replay is over: the exchanges go over the network again."""
         self.engine.sync.stop_replay()
+        mark("replay ended")
         self._announce(f"resumed from the full snapshot at step {self._replay_from}, replayed "
                        f"{self._quiet_until - self._replay_from} steps to step {self._quiet_until}")
 

@@ -4,8 +4,8 @@ A checkpoint is due every ``every``-th step (and after the last). With
 gradient compression most checkpoints are differential: a full snapshot every
 ``full_every`` checkpoints, and between them each step's exchanged update,
 appended to the snapshot's log (:mod:`convoy.checkpoint.difflog`). Where a
-rank can rebuild its own state alone (``replay``), the rank files are written
-only with the full snapshots.
+rank can rebuild its own state alone, the rank files may be written only with
+the full snapshots (``replay``; ``RANK_FILES``).
 
 ``every="auto"`` measures a few steps without and with checkpoints, then
 checkpoints as often as keeps the measured cost within ``budget`` of a step
@@ -32,6 +32,14 @@ DEFAULT_FULL_EVERY = "auto"  # differential: a full snapshot every this many che
 # differential, auto: the interval until the first full snapshot's cost is known, and the longest
 # (a resume by replay trains up to this many steps again)
 FULL_EVERY_BOUNDS = (10, 100)
+# Where a resume could rebuild the ranks' own files by replaying the log (a local compressor's
+# residuals), which checkpoints write them: "every" one, so that a resume on any number of workers
+# goes on from the newest step (the survivors of a lost host need the lost ranks' residuals of that
+# step, and the dead world's log cannot be replayed on a re-dealt state), or only the "full"
+# snapshots (a rank's residuals written once per full snapshot instead of every step; a resume on
+# the same world replays the steps since, one on another world goes back to the snapshot).
+RANK_FILES = ("every", "full")
+DEFAULT_RANK_FILES = "every"
 
 Agree = Callable[[int], int]   # the largest value any rank chose, given this rank's
 

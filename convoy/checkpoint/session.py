@@ -31,7 +31,7 @@ from convoy.checkpoint.persister import CheckpointFiles
 from convoy.checkpoint.recovery import (AreaReport, RestorePoint, fallback_notes, read_updates, replay_updates,
                                        restore_model, restore_points, restore_rank, scan, valid_steps)
 from convoy.checkpoint.replay import ReplayFeed
-from convoy.checkpoint.schedule import DEFAULT_BUDGET, DEFAULT_FULL_EVERY
+from convoy.checkpoint.schedule import DEFAULT_BUDGET, DEFAULT_FULL_EVERY, DEFAULT_RANK_FILES, RANK_FILES
 from convoy.checkpoint.snapshot import model_layout, rank_layout, rank_state
 from convoy.checkpoint.store import AREAS, Store
 from convoy.compress import FP16Compressor, IdentityCompressor
@@ -48,6 +48,9 @@ class CheckpointSettings:
     of the step time, allows); ``full_every``: with a sparse gradient compressor,
     a full snapshot every this many checkpoints and the exchanged update in between,
     or ``"auto"`` (as seldom as ``budget`` needs, measured; 10 to 100 checkpoints).
+    ``rank_files``: where a resume could rebuild the ranks' own files by replay, whether they are
+    written at ``"every"`` checkpoint or only with the ``"full"`` snapshots
+    (:data:`~convoy.checkpoint.schedule.RANK_FILES`).
     """
 
     directory: str
@@ -60,6 +63,11 @@ class CheckpointSettings:
     # "layout": its sync and parallel layout}): a resume on another number of workers keeps the
     # global batch and maps the layout's state (convoy.train.elastic).
     job: dict[str, Any] = field(default_factory=dict)
+    rank_files: str = DEFAULT_RANK_FILES
+
+    def __post_init__(self) -> None:
+        if self.rank_files not in RANK_FILES:
+            raise ValueError(f"rank_files must be one of {', '.join(RANK_FILES)}, got {self.rank_files!r}")
 
 
 @dataclass
@@ -204,6 +212,8 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
     if settings.resume is not False:
         model_reports = _open_reports(mpath, layout.signature(), layout)
         rank_reports = _open_reports(rpath, None, None)
+    # A resume may replay (rank files written only with the full snapshots, or a log past their
+    # newest step) whatever this run writes: its rank files are the listener's choice below.
     replay = replay_ok(engine, full_names)
     points = restore_points(mpath, model_reports or [])
     rank_steps = valid_steps(rank_reports or [])
@@ -256,7 +266,8 @@ def start_checkpointing(settings: CheckpointSettings, model: nn.Module, engine: 
     listener = CheckpointListener(model, engine, files, every=settings.every, last_step=total_steps - 1,
                                   full_every=settings.full_every if differential_ok(engine.sync) else 0,
                                   steps_per_epoch=steps_per_epoch, budget=settings.budget, full_names=full_names,
-                                  copy_on_write=type(engine.sync) is AllReduce, replay=replay,
+                                  copy_on_write=type(engine.sync) is AllReduce,
+                                  replay=replay and settings.rank_files == "full",
                                   quiet_until=start.reached, job=settings.job, agree_groups=agree_groups)
     engine.listeners.append(listener)
     return CheckpointSession(listener, start)

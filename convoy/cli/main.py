@@ -7,6 +7,7 @@ from typing import Sequence
 from convoy.cli import bench, checkpoint, plan, plot, profile_nodes, simulate, trace, train
 from convoy.cli.args import Parser
 from convoy.errors import UsageError, one_line
+from convoy.utils.timeline import mark
 
 
 def build_parser() -> Parser:
@@ -25,6 +26,7 @@ def build_parser() -> Parser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    mark("imported")   # the interpreter is up and torch and convoy are imported
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -23,6 +23,16 @@ from typing import Sequence
 from convoy.emulation.netns import EmulatedCluster
 
 RDZV_PORT = 29400   # in the first host's namespace: its own port space
+# The c10d rendezvous settings an elastic job re-forms quickly with (``--rdzv-conf``). A lost
+# host leaves the rendezvous only when its keep-alive expires, ``keep_alive_interval`` x
+# ``keep_alive_max_attempt`` after its last beat (torch's default 5 s x 3: the survivors waited
+# 15 s of every failure for it); then the round waits ``last_call_timeout`` (torch's default 30 s)
+# for more hosts once it has the fewest it takes. A waiting agent polls the rendezvous once a
+# second (torch's own delay), so a last call of 2 s still takes in every survivor that noticed the
+# failure within a second of the first. A live host must not be taken for dead: with beats of 1 s
+# and 2 missed (2 s), an agent whose worker kept its cores busy was (docs/checkpoints.md), so a
+# beat may be late by 5 s here.
+FAST_RENDEZVOUS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 5, "last_call_timeout": 2}
 # Variables of this process that must not leak into an agent's: they are chosen per job here.
 _CHOSEN = ("GLOO_SOCKET_IFNAME", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 
@@ -47,6 +57,17 @@ def agent_command(cluster: EmulatedCluster, host: int, run_id: str, entry: Seque
             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{first}:{RDZV_PORT}",
             "--rdzv-id", run_id, "--local-addr", cluster.topology.address(host), *agent, "--rdzv-conf", conf,
             *entry]
+
+
+def rdzv_conf(**settings: int) -> str:
+    """``settings`` as ``--rdzv-conf`` takes them: ``"key=value,..."``.
+
+    Example::
+
+        >>> rdzv_conf(**FAST_RENDEZVOUS)
+        'keep_alive_interval=1,keep_alive_max_attempt=5,last_call_timeout=2'
+    """
+    return ",".join(f"{key}={value}" for key, value in settings.items())
 
 
 def agent_environment(env: dict[str, str] | None = None, gloo_interface: str | None = "eth0") -> dict[str, str]:

@@ -34,6 +34,7 @@ from convoy.train.metrics import MetricsWriter
 from convoy.train.groups import job_groups
 from convoy.train.optim import build_compression, lr_lambda, optimizer_spec
 from convoy.utils.lifetime import StopRequest
+from convoy.utils.timeline import mark
 
 @dataclass
 class RunSummary:
@@ -68,17 +69,27 @@ def run(config: TrainConfig, stop: StopRequest | None = None) -> RunSummary:
     if config.checkpoint.dir is not None:   # created before anything reads it (a resharding, a cluster plan)
         check_directory(config.checkpoint.dir)
     ctx = runtime.init("nccl" if config.run.device == "cuda" else "gloo", timeout_s=config.run.timeout)
+    mark("process group")
     torch.set_num_threads(config.run.threads)
     splits = build_dataset(config.data.dataset, config.data.dir,
                            synthetic_shape=config.data.synthetic_dims(), seed=config.run.seed)
+    mark("dataset loaded")
     torch.manual_seed(config.run.seed)
     model = build_model(config.model.name, in_channels=splits.in_channels, num_classes=splits.num_classes,
                         image_size=splits.image_size).to(ctx.device)
     if config.checkpoint.init_from is not None:
         load_initial_state(model, config.checkpoint.init_from)
-    broadcast_parameters(model)
+    # A data-parallel engine trains the model's own tensors: their broadcast can wait until the resume
+    # is known, and a resume needs none (every rank loads the same checkpointed model): seconds of a
+    # failure's downtime on a slow link. Other layouts copy parameters as they are built.
+    deferred = config.checkpoint.dir is not None and (config.sync.strategy, config.parallel.layout) == \
+        ("allreduce", "data")
+    if not deferred:
+        broadcast_parameters(model)
+    mark("model built")
     # A checkpoint of another number of workers: its global batch is kept, its rank files re-dealt.
     config = adapt_to_checkpoint(config, model, ctx)
+    mark("checkpoint mapped")   # re-dealt onto this world, if it was another's
     shape = config.job_shape(ctx.world_size)
     groups = job_groups(config, shape)   # every process group of the job, in one order on every rank
     # A step's samples per worker: --grad-accum micro-batches of --batch-size.
@@ -89,6 +100,9 @@ def run(config: TrainConfig, stop: StopRequest | None = None) -> RunSummary:
     sampler = GlobalBatchSampler(len(splits.train), step_batch, layout.data_world_size, layout.data_rank,
                                  config.run.seed)
     session = start_checkpoints(config, layout, total_steps, len(sampler), groups)
+    if deferred and not (session.start.step or session.start.replay_to):
+        broadcast_parameters(model)   # nothing was restored: every rank starts from rank 0's
+    mark("checkpoint restored")
     run_dir = resolve_run_dir(config.run.out, ctx.rank)
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -152,7 +166,8 @@ def start_checkpoints(config: TrainConfig, layout: ParallelLayout, total_steps: 
     job = job_record(config, dist.get_world_size() if dist.is_initialized() else 1,
                      config.data.batch_size * config.optim.grad_accum * layout.data_world_size)
     settings = CheckpointSettings(config.checkpoint.dir, every, config.checkpoint.resume, config.run.timeout,
-                                  config.checkpoint.budget, config.checkpoint.full_every, job)
+                                  config.checkpoint.budget, config.checkpoint.full_every, job,
+                                  config.checkpoint.rank_files)
     module, group_ranks, full_names = layout.checkpoint_scope()
     return start_checkpointing(settings, module, layout.checkpoint_engine(), optimizer_class, hyper, total_steps,
                                steps_per_epoch, group_ranks, full_names, (groups.agree_every, groups.agree_full))
@@ -203,6 +218,8 @@ def _train(config: TrainConfig, ctx: runtime.Context, layout: ParallelLayout, sp
         sampler.set_epoch(epoch)
         for x, y in iterate_batches(splits.train, islice(sampler, skip, None)):
             loss, correct = layout.train_step(x.to(ctx.device), y.to(ctx.device))
+            if step == resume.step:
+                mark("first step")
             stopped = guard.check(step, loss, stop.signum)
             if last is not None:
                 bytes_sent += _record_step(metrics, layout, *last)

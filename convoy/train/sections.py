@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from convoy.checkpoint.schedule import DEFAULT_BUDGET, DEFAULT_FULL_EVERY
+from convoy.checkpoint.schedule import DEFAULT_BUDGET, DEFAULT_FULL_EVERY, DEFAULT_RANK_FILES, RANK_FILES
 from convoy.cluster import (DEFAULT_CLUSTERS, DEFAULT_REELECT_EVERY, DEFAULT_SERVER_CHOICE, DEFAULT_WEIGHTS,
                             INDICATORS)
 from convoy.compress import (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCKS_PER_LAYER, DEFAULT_DENSE_BELOW,
@@ -386,6 +386,12 @@ class CheckpointConfig:
                                  "snapshot, then the fewest checkpoints between full ones (10 to 100) that keep "
                                  "within --checkpoint-budget; a resume may train up to that many steps again",
                                  flag="checkpoint_full_every")
+    rank_files: str = _opt(DEFAULT_RANK_FILES, "with a compressor whose residuals a resume can rebuild by "
+                           "replaying the steps since a full snapshot (topk, blocktopk, randomk): write every "
+                           "rank's own file at every checkpoint (every: a resume on fewer or more workers goes on "
+                           "from the newest step), or only with the full snapshots (full: less written each step; "
+                           "a resume on another number of workers goes back to the last full snapshot)",
+                           flag="checkpoint_rank_files")
     resume: bool | None = _opt(None, "resume from --checkpoint-dir (--resume: fail if it holds none; "
                                "--no-resume: start over, overwriting it); default: resume if it holds one")
     init_from: str | None = _opt(None, "start from the parameters of this state_dict file (.pt), e.g. "
@@ -399,6 +405,7 @@ class CheckpointConfig:
         if not 0.0 < self.budget <= 0.5:
             raise UsageError(f"--checkpoint-budget must be in (0, 0.5], got {self.budget:g}")
         full_every = count_or_auto("checkpoint_full_every", self.full_every)
+        one_of("checkpoint_rank_files", self.rank_files, RANK_FILES)
         if self.resume is not None and self.dir is None:
             raise UsageError("--resume/--no-resume needs --checkpoint-dir")
         if self.init_from is not None and not Path(self.init_from).is_file():

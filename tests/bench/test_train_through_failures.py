@@ -1,12 +1,17 @@
 """The failure benchmark's bookkeeping (when hosts die, what was trained again, following a metrics file
 across restarts) and its DDP peer's DCP resume."""
+import datetime
 import json
 import shutil
+import time
 
 import pytest
 
 from bench.peers.ddp_train import complete_checkpoints, train_ddp
-from bench.train_through_failures import Failure, MetricsTail, kill_schedule, steps_redone, time_to
+from bench.figures import load
+from bench.train_through_failures import (Failure, MetricsTail, downtime_parts, kill_schedule, steps_redone, time_to,
+                                          tuned_peer_rank)
+from convoy.utils import timeline
 from tests.helpers import run_workers
 
 
@@ -81,3 +86,37 @@ def test_the_ddp_peer_resumed_from_its_dcp_checkpoint_trains_the_same_steps_as_w
     assert sorted(after) == [8, 9, 10, 11]   # it went on from the checkpoint's step, in the same data order
     # Model, momentum and learning-rate schedule restored: the same losses to the last bit.
     assert after == {step: uninterrupted[step] for step in after}
+
+
+def test_the_tuned_peer_is_the_powersgd_rank_soonest_to_the_target_in_the_sweep_s_result():
+    rank, why = tuned_peer_rank("vgg_fc", "100mbit")
+    data = load("time_to_accuracy_vgg_fc_100mbit")
+    plain = {row["strategy"]: row["time_to_target_s"] for row in data["rows"]
+             if row["strategy"] in {f"ddp-powersgd-r{r}" for r in (1, 2, 4, 8)} and row["time_to_target_s"]}
+    soonest = min(plain, key=plain.get)
+    assert f"ddp-powersgd-r{rank}" == soonest and why.startswith(f"{soonest}: the soonest"), (rank, why)
+    # The warm-up and fp16 peers are other peers, not ranks of this one, whatever their times.
+    assert "warm" not in why and "fp16" not in why
+    with pytest.raises(ValueError, match="--peer-rank"):
+        tuned_peer_rank("vgg_fc", "no-such-rate")
+
+
+def test_a_recovery_s_steps_are_read_from_the_agents_logs_and_the_workers_marks(tmp_path, monkeypatch):
+    marks = tmp_path / "timeline.jsonl"
+    monkeypatch.setenv(timeline.ENV, str(marks))
+    kill = time.time()
+    log = tmp_path / "agent-h0-0.log"
+    stamp = datetime.datetime.fromtimestamp(kill + 0.5)
+    torch_time = stamp.strftime("%m%d %H:%M:%S.%f")
+    log.write_text(f"E{torch_time} 1 torch/x.py:1] failed (exitcode: 1) local_rank: 0\n"
+                   "convoy: error: rank 0: EngineError: a line of the worker's, without a time\n"
+                   f"I{torch_time} 1 torch/x.py:2] [default] Starting worker group\n")
+    time.sleep(0.6)
+    timeline.mark("imported")   # the first mark of this process also records its creation, long before the kill
+    parts = downtime_parts([{"wall": kill}], [log], marks)
+    assert set(parts[0]) == {"agent saw the worker fail", "workers started", "imported"}, parts
+    assert abs(parts[0]["workers started"] - 0.5) < 1e-3 and 0.6 <= parts[0]["imported"] < 60, parts
+    # Without the variable a mark writes nothing.
+    monkeypatch.delenv(timeline.ENV)
+    timeline.mark("first step")
+    assert [json.loads(line)["event"] for line in marks.read_text().splitlines()] == ["exec", "imported"]

@@ -36,6 +36,7 @@ BATCH, SAMPLES = 16, 128
 STEPS_PER_EPOCH = SAMPLES // BATCH
 HYPER = {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4}
 FULL_EVERY = 4   # differential checkpoints (a compressed job): a full snapshot every 4 checkpoints
+RANK_FILES = "full"   # blocktopk's rank files only with the full snapshots: the resumes replay (what is tested)
 
 
 def build_job(compress: str = "none"):
@@ -97,8 +98,8 @@ def reference_trace(steps: int, compress: str = "none") -> dict[int, dict[str, t
 def main(directory: str, steps: int, compress: str = "none") -> int:
     """Train to ``steps`` with checkpoints in ``directory`` (resuming from it); return the start step."""
     model, engine, x, y = build_job(compress)
-    session = start_checkpointing(CheckpointSettings(directory, full_every=FULL_EVERY), model, engine,
-                                  torch.optim.SGD, HYPER,
+    session = start_checkpointing(CheckpointSettings(directory, full_every=FULL_EVERY, rank_files=RANK_FILES), model,
+                                  engine, torch.optim.SGD, HYPER,
                                   total_steps=steps, steps_per_epoch=STEPS_PER_EPOCH)
     train(model, engine, x, y, session.start.step, steps)
     engine.close()

@@ -7,9 +7,10 @@ record's write, inside a layer of a full snapshot, or at a random time; then
 the newest step every file holds is restored the way a resume does (snapshot
 plus replayed records) and must equal, bit for bit, an uninterrupted run's
 parameters and momentum buffers after that step, and its residuals after the
-full snapshot the log extends (blocktopk with local selection: the rank files
-are written only with the full snapshots, and a resume replays the steps
-since). The next trial resumes from the same directory.
+full snapshot the log extends (blocktopk with local selection and
+``rank_files="full"``: the rank files are written only with the full
+snapshots, and a resume replays the steps since). The next trial resumes from
+the same directory.
 """
 from __future__ import annotations
 
@@ -228,9 +229,10 @@ def test_sigkill_with_differential_checkpoints_recovers_a_bit_identical_step(tmp
 
 
 def _train_with_checkpoints(directory: Path, until: int, stop: int, compress: str = COMPRESS, every: int = 3,
-                            full_every: int | str = 2):
+                            full_every: int | str = 2, rank_files: str = checkpoint_job.RANK_FILES):
     model, engine, x, y = checkpoint_job.build_job(compress)
-    session = start_checkpointing(CheckpointSettings(str(directory), every=every, full_every=full_every), model,
+    settings = CheckpointSettings(str(directory), every=every, full_every=full_every, rank_files=rank_files)
+    session = start_checkpointing(settings, model,
                                   engine, torch.optim.SGD, checkpoint_job.HYPER, total_steps=stop,
                                   steps_per_epoch=checkpoint_job.STEPS_PER_EPOCH)
     checkpoint_job.train(model, engine, x, y, session.start.step, until)
@@ -294,6 +296,22 @@ def test_where_replay_is_not_exact_rank_files_are_written_every_checkpoint(tmp_p
     state, session = _train_with_checkpoints(tmp_path, until=12, stop=12, compress=compress)
     assert (session.start.step, session.start.replay_to) == (6, None), session.start
     assert "3 differential steps replayed" in session.start.notes[-1]   # 4, 5 and 6, from the files
+    for key, tensor in reference[12].items():
+        assert torch.equal(state[key], tensor), key
+
+
+def test_by_default_a_local_compressor_s_rank_files_hold_every_checkpoint_and_no_step_is_trained_again(tmp_path):
+    """Local blocktopk could rebuild its residuals by replay, but by default (``rank_files="every"``)
+    its file is written at every checkpoint, as PowerSGD's, so that a resume on another world
+    finds every rank's residuals of the newest step: a resume on the same one starts there too,
+    the model file's log applied to the snapshot, and ends as the uninterrupted run, bit for bit."""
+    reference = checkpoint_job.reference_trace(12, COMPRESS)
+    # Full snapshots after steps 1 and 5, the updates of 6 and 7 logged.
+    _train_with_checkpoints(tmp_path, until=7, stop=100, every=1, full_every=4, rank_files="every")
+    assert set(_rank_steps(tmp_path)) == {6, 7}, "the rank file was not written at every checkpoint"
+    state, session = _train_with_checkpoints(tmp_path, until=12, stop=12, every=1, full_every=4, rank_files="every")
+    assert (session.start.step, session.start.replay_to) == (7, None), session.start
+    assert "2 differential steps replayed" in session.start.notes[-1]   # the log's updates, from the files
     for key, tensor in reference[12].items():
         assert torch.equal(state[key], tensor), key
 

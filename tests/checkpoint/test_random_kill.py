@@ -33,12 +33,15 @@ LENET = ("--model", "lenet", "--batch-size", "8", "--seed", "3", "--no-progress"
 STEPS = 24
 # name -> (flags, model files of a checkpoint). Every combination docs/design.md "What combines"
 # allows with --checkpoint-dir; blocktopk and powersgd under allreduce take differential
-# checkpoints (blocktopk's resume replays the logged steps, powersgd's applies them).
+# checkpoints (their resumes apply the logged steps to the model file; with --checkpoint-rank-files
+# full, blocktopk's rank files are written only with the full snapshots and its resume replays the steps).
 CONFIGS: dict[str, tuple[tuple[str, ...], int]] = {
     "allreduce": (("--nproc", "2"), 1),
     "allreduce-every3": (("--nproc", "2", "--checkpoint-every", "3"), 1),
     "allreduce-blocktopk-differential": (("--nproc", "2", "--compress", "blocktopk", "--block-fraction", "0.1",
                                           "--checkpoint-full-every", "3"), 1),
+    "allreduce-blocktopk-replay": (("--nproc", "2", "--compress", "blocktopk", "--block-fraction", "0.1",
+                                    "--checkpoint-full-every", "3", "--checkpoint-rank-files", "full"), 1),
     "allreduce-powersgd-differential": (("--nproc", "2", "--compress", "powersgd", "--checkpoint-full-every", "3"),
                                         1),
     "ps-colocated-blocktopk": (("--nproc", "2", "--sync", "ps", "--servers", "colocated", "--compress",

@@ -16,7 +16,7 @@ import inspect
 from typing import Any
 
 import pytest
-from convoy.checkpoint.schedule import DEFAULT_BUDGET, DEFAULT_FULL_EVERY
+from convoy.checkpoint.schedule import DEFAULT_BUDGET, DEFAULT_FULL_EVERY, DEFAULT_RANK_FILES
 from convoy.cli.main import build_parser
 from convoy.cluster import (DEFAULT_CLUSTERS, DEFAULT_REELECT_EVERY, DEFAULT_SERVER_CHOICE, DEFAULT_WEIGHTS,
                             INDICATORS, Election, make_plan)
@@ -83,6 +83,7 @@ TRAIN: dict[str, Any] = {
     "split_at": Stated("default: the model's classifier"),
     "checkpoint_dir": NONE, "checkpoint_every": OWN,
     "checkpoint_budget": DEFAULT_BUDGET, "checkpoint_full_every": DEFAULT_FULL_EVERY,   # convoy.checkpoint
+    "checkpoint_rank_files": DEFAULT_RANK_FILES,
     "resume": Stated("default: resume if it holds one"), "init_from": NONE,
 }
 
