@@ -49,7 +49,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import save, spawn, timed_round  # noqa: E402
+from bench.common import run_on_hosts, save, spawn, timed_round  # noqa: E402
 from bench.figures import Block, Row, number, rows_of, seconds, table, times  # noqa: E402
 from convoy import runtime  # noqa: E402
 from convoy.models import build_model  # noqa: E402
@@ -311,7 +311,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds per variant")
     parser.add_argument("--round-steps", type=int, default=3, help="steps per round")
     parser.add_argument("--batch", type=int, default=16, help="samples per worker")
-    parser.add_argument("--tag", default="", help="results go to powersgd_step_TAG")
+    parser.add_argument("--hosts", type=int, default=None,
+                        help="one rank on each of HOSTS emulated hosts (convoy bench cluster: root; hold "
+                             "/tmp/convoy-netns.lock) instead of --world local processes on loopback")
+    parser.add_argument("--rate", default="100mbit", help="with --hosts: each host's link, e.g. 100mbit, 1gbit")
+    parser.add_argument("--tag", default="", help="results go to powersgd_step_TAG (with --hosts, default: "
+                                                  "HOSTShosts_RATE)")
     parser.add_argument("--profile", action="store_true",
                         help="profile convoy's auxiliary thread instead (rounds x round-steps steps per R)")
     parser.add_argument("--blocking-rounds", action="store_true",
@@ -320,18 +325,23 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true",
                         help="time PowerSGD's products with the thin factor on either side instead (--rounds calls)")
     args = parser.parse_args()
+    if args.hosts and (args.profile or args.kernels):
+        parser.error("--hosts times the steps; --profile and --kernels run on loopback")
     if args.profile:
         profile(args)
         return
     if args.kernels:
         kernels(args)
         return
+    if args.hosts:
+        args.world = args.hosts   # the world the rows and settings record
     load_before = os.getloadavg()
     rows = []
     for name in args.models:
         channels = 3 if name == "resnet18" else 1
-        results = spawn(worker, args.world, name, args.ranks, args.batch, args.round_steps, args.rounds, channels,
-                        args.blocking_rounds)
+        job = (name, args.ranks, args.batch, args.round_steps, args.rounds, channels, args.blocking_rounds)
+        # One rank per emulated host, or local processes on loopback: the same worker either way.
+        results = run_on_hosts(worker, args.hosts, args.rate, *job) if args.hosts else spawn(worker, args.world, *job)
         rows += rows_for(name, args.world, args.ranks, results, args.rounds, args.blocking_rounds)
         for row in rows[-1 - len(_kinds(args.blocking_rounds)) * len(args.ranks):]:
             print(row, flush=True)
@@ -340,7 +350,8 @@ def main() -> None:
                 "load_after": list(os.getloadavg()),
                 "note": "medians over rounds; wall: the slowest rank's round / steps; cpu: process CPU seconds "
                         "(all threads) per step, mean over ranks; ratios: medians of per-round ratios"}
-    save("powersgd_step" + (f"_{args.tag}" if args.tag else ""), settings, rows,
+    tag = args.tag or (f"{args.hosts}hosts_{args.rate}" if args.hosts else "")
+    save("powersgd_step" + (f"_{tag}" if tag else ""), settings, rows,
          ["model", "world", "variant", "rank", "buckets", "step_s", "cpu_s", "forward_wait_s", "wall/hook", "cpu/hook", "wall/floor",
           "cpu/floor"])
 
