@@ -1,12 +1,15 @@
-"""Shared plumbing of the benchmarks: spawning gloo workers, tables, result files."""
+"""Shared plumbing of the benchmarks: spawning gloo workers (local or on emulated hosts), tables, result files."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import pickle
 import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -16,6 +19,67 @@ import torch
 from convoy.utils.spawn import run_in_processes as spawn  # noqa: F401  (re-exported for the benchmarks)
 
 RESULTS = Path(__file__).parent / "results"
+HOST_RANK = Path(__file__).resolve().parent / "host_rank.py"   # the script each rank of run_on_hosts runs
+
+
+def launcher(command: list[str], hosts: int, rate: str, cluster: str | None = None,
+             tcp_congestion: str | None = None) -> list[str]:
+    """``command`` on ``hosts`` emulated hosts (``cluster``: a cluster file that describes them, slow
+    hosts included; ``tcp_congestion``: their TCP congestion control, else the machine's), or as
+    ``hosts`` local processes when ``rate`` is loopback."""
+    congestion = ["--tcp-congestion", tcp_congestion] if tcp_congestion else []
+    if cluster:
+        return [sys.executable, "-m", "convoy", "bench", "cluster", "--cluster", cluster, *congestion, "--", *command]
+    if rate != "loopback":
+        return [sys.executable, "-m", "convoy", "bench", "cluster", "--hosts", str(hosts), "--rate", rate,
+                *congestion, "--", *command]
+    if command[0] == "train":
+        return [sys.executable, "-m", "convoy", *command, "--nproc", str(hosts)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(hosts), *command]
+
+
+def run_on_hosts(fn: Callable[..., Any], hosts: int, rate: str, *args: Any) -> list[Any]:
+    """``spawn``'s twin on emulated hosts: ``fn(rank, world, *args)`` once per host, one rank each,
+    started by ``launcher`` (``convoy bench cluster``: root, and the caller holds the namespace
+    lock; ``rate`` loopback: local processes under torchrun); their results in rank order.
+
+    Each rank joins a gloo default group from the launcher's variables with one torch thread, as
+    ``spawn``'s ranks do. ``fn`` is found again in the rank by its module's file and its name (a
+    benchmark run as a script is ``__main__``), so it must be defined at module level; ``args``
+    and the results must pickle. A failing rank raises with the launcher's stderr.
+
+    Example::
+
+        >>> run_on_hosts(worker, 4, "100mbit", "vgg_fc")   # worker(rank, 4, "vgg_fc") on each host
+    """
+    module = sys.modules[fn.__module__]
+    with tempfile.TemporaryDirectory(prefix="convoy-bench-hosts-") as out:
+        Path(out, "job.pkl").write_bytes(pickle.dumps((str(Path(module.__file__).resolve()), fn.__name__, args)))
+        result = subprocess.run(launcher([str(HOST_RANK), out], hosts, rate),
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{fn.__name__} on {hosts} hosts at {rate} failed:\n{result.stderr[-3000:]}")
+        return [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(hosts)]
+
+
+def host_rank(out: str) -> None:
+    """One rank of ``run_on_hosts`` (bench/host_rank.py, on its host): join the group, run the job in
+    ``out``, write ``out/<rank>.pkl``."""
+    import torch.distributed as dist
+
+    path, name, args = pickle.loads(Path(out, "job.pkl").read_bytes())
+    spec = importlib.util.spec_from_file_location("_bench_on_host", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # its dataclasses and pickles look their module up by name
+    spec.loader.exec_module(module)   # not as __main__: the benchmark's own main() does not run here
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        rank = dist.get_rank()
+        Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(getattr(module, name)(rank, dist.get_world_size(), *args)))
+        dist.barrier()   # rank 0 holds the store: it stays until every rank is done with it
+    finally:
+        dist.destroy_process_group()
 
 
 def machine() -> dict[str, Any]:

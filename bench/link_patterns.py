@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import save  # noqa: E402
+from bench.common import launcher, save  # noqa: E402
 from bench.figures import Block, percent, rows_of, table  # noqa: E402
-from bench.time_to_accuracy import launcher  # noqa: E402
 
 SLICE_BYTES = 256 * 1024   # --sync ps's default slice
 CONNECTIONS = 2            # --sync ps's default channels per pair of hosts

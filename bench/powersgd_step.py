@@ -2,8 +2,10 @@
 
     python bench/powersgd_step.py [--models vgg_fc resnet18] [--world 2] [--ranks 1 2 4] [--rounds 12]
                                   [--round-steps 3] [--batch 16] [--tag TAG]
+    python bench/powersgd_step.py --hosts 4 --rate 100mbit ...   # as root, under flock /tmp/convoy-netns.lock
 
-One run, loopback gloo, one torch thread per worker; per model, side by side in the same processes:
+One run, loopback gloo (or, with ``--hosts``, one rank per emulated host of ``convoy bench cluster``,
+the links shaped to ``--rate``), one torch thread per worker; per model, side by side in the same processes:
 
 - ``floor``: the same ranks, model and batch with no gradient exchange at all (each trains its own
   replica; SGD with momentum and weight decay): the compute floor every exchange is read against;
@@ -22,7 +24,7 @@ load from other jobs hits all of them. A round is as slow as its slowest rank (w
 process CPU time (every thread), the mean over the ranks. ``forward_wait_s`` is how long convoy's next
 forward waited for the exchange's updates per step (the exchange left on the critical path). Figures are medians over rounds, the ratios
 medians of per-round ratios to the adjacent rounds of the hook at the same R and of the floor.
-Writes bench/results/powersgd_step[_TAG].{json,md}.
+Writes bench/results/powersgd_step[_TAG].{json,md} (with ``--hosts``, TAG defaults to HOSTShosts_RATE).
 
 ``--profile`` instead profiles convoy's step at each R: the auxiliary thread's CPU time per step
 (cProfile on that thread, timed by the thread's CPU clock), split into the stages of the exchange;
@@ -39,6 +41,7 @@ import statistics
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,8 +52,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import save, spawn, timed_round  # noqa: E402
-from bench.figures import Block, Row, number, rows_of, seconds, table, times  # noqa: E402
+from bench.common import run_on_hosts, save, spawn, timed_round  # noqa: E402
+from bench.figures import Block, Row, loaded, number, rows_of, seconds, table, times  # noqa: E402
 from convoy import runtime  # noqa: E402
 from convoy.models import build_model  # noqa: E402
 from convoy.train.config import TrainConfig  # noqa: E402
@@ -311,7 +314,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds per variant")
     parser.add_argument("--round-steps", type=int, default=3, help="steps per round")
     parser.add_argument("--batch", type=int, default=16, help="samples per worker")
-    parser.add_argument("--tag", default="", help="results go to powersgd_step_TAG")
+    parser.add_argument("--hosts", type=int, default=None,
+                        help="one rank on each of HOSTS emulated hosts (convoy bench cluster: root; hold "
+                             "/tmp/convoy-netns.lock) instead of --world local processes on loopback")
+    parser.add_argument("--rate", default="100mbit", help="with --hosts: each host's link, e.g. 100mbit, 1gbit")
+    parser.add_argument("--tag", default="", help="results go to powersgd_step_TAG (with --hosts, default: "
+                                                  "HOSTShosts_RATE)")
     parser.add_argument("--profile", action="store_true",
                         help="profile convoy's auxiliary thread instead (rounds x round-steps steps per R)")
     parser.add_argument("--blocking-rounds", action="store_true",
@@ -320,18 +328,23 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true",
                         help="time PowerSGD's products with the thin factor on either side instead (--rounds calls)")
     args = parser.parse_args()
+    if args.hosts and (args.profile or args.kernels):
+        parser.error("--hosts times the steps; --profile and --kernels run on loopback")
     if args.profile:
         profile(args)
         return
     if args.kernels:
         kernels(args)
         return
+    if args.hosts:
+        args.world = args.hosts   # the world the rows and settings record
     load_before = os.getloadavg()
     rows = []
     for name in args.models:
         channels = 3 if name == "resnet18" else 1
-        results = spawn(worker, args.world, name, args.ranks, args.batch, args.round_steps, args.rounds, channels,
-                        args.blocking_rounds)
+        job = (name, args.ranks, args.batch, args.round_steps, args.rounds, channels, args.blocking_rounds)
+        # One rank per emulated host, or local processes on loopback: the same worker either way.
+        results = run_on_hosts(worker, args.hosts, args.rate, *job) if args.hosts else spawn(worker, args.world, *job)
         rows += rows_for(name, args.world, args.ranks, results, args.rounds, args.blocking_rounds)
         for row in rows[-1 - len(_kinds(args.blocking_rounds)) * len(args.ranks):]:
             print(row, flush=True)
@@ -340,7 +353,8 @@ def main() -> None:
                 "load_after": list(os.getloadavg()),
                 "note": "medians over rounds; wall: the slowest rank's round / steps; cpu: process CPU seconds "
                         "(all threads) per step, mean over ranks; ratios: medians of per-round ratios"}
-    save("powersgd_step" + (f"_{args.tag}" if args.tag else ""), settings, rows,
+    tag = args.tag or (f"{args.hosts}hosts_{args.rate}" if args.hosts else "")
+    save("powersgd_step" + (f"_{tag}" if tag else ""), settings, rows,
          ["model", "world", "variant", "rank", "buckets", "step_s", "cpu_s", "forward_wait_s", "wall/hook", "cpu/hook", "wall/floor",
           "cpu/floor"])
 
@@ -376,6 +390,33 @@ def render_powersgd_step() -> str:
                   "convoy wall / floor", "forward waiting", "forward waiting, P blocking"], cells)
 
 
+# The same-run step tables beside the loopback one above: emulated hosts at 100 Mbit, and 4 ranks on loopback.
+STEP_ON_HOSTS = ("powersgd_step_4hosts_100mbit", "powersgd_step_2hosts_100mbit", "powersgd_step_world4")
+
+
+def _links(settings: dict) -> str:
+    hosts = settings.get("hosts")
+    return f"{hosts} hosts, {settings['rate']}" if hosts else f"loopback, {settings['world']} ranks"
+
+
+def render_powersgd_step_hosts(*names: str) -> str:
+    """Each file's convoy rows (every convoy variant) against its own run's hook at the same R and floor."""
+    cells = []
+    for data in loaded(*names):
+        by = {(r["model"], r["variant"], r["rank"]): r for r in data["rows"]}
+        for row in data["rows"]:
+            if row["variant"] in ("floor", "hook"):
+                continue
+            model, rank = row["model"], row["rank"]
+            hook, floor = by[(model, "hook", rank)], by[(model, "floor", None)]
+            cells.append([_links(data["settings"]), model, str(rank), row["variant"], str(row["buckets"]),
+                          seconds(floor["step_s"]), seconds(hook["step_s"]), seconds(row["step_s"]),
+                          number(row["wall/hook"]), number(row["cpu/hook"]), number(row["wall/floor"]),
+                          seconds(row["forward_wait_s"])])
+    return table(["links", "model", "R", "variant", "buckets", "floor step", "hook step", "convoy step",
+                  "convoy wall / hook", "CPU / hook", "wall / floor", "forward waiting"], cells)
+
+
 def render_powersgd_profile() -> str:
     """The auxiliary thread's CPU per stage, at each change (each file measured on its commit)."""
     stages = {tag: {(r["model"], r["rank"], r["stage"]): r["cpu_ms_per_step"] for r in rows_of(f"powersgd_profile_{tag}")}
@@ -403,6 +444,12 @@ BLOCKS = (
           "ranks with no exchange (the floor), rounds interleaved in each run", render_powersgd_step,
           rerun="python bench/powersgd_step.py --blocking-rounds --tag after; --tag before on the commit before "
                 "the changes"),
+    Block("powersgd_step_hosts", "convoy's PowerSGD step against the hook on emulated hosts at 100 Mbit",
+          STEP_ON_HOSTS, "DDP + torch's powerSGD_hook at the same rank R and the no-exchange floor, rounds "
+          "interleaved in each run (one rank per emulated host; the last: 4 ranks on loopback)",
+          partial(render_powersgd_step_hosts, *STEP_ON_HOSTS),
+          rerun="python bench/powersgd_step.py --hosts 4|2 --rate 100mbit --ranks 2 4; --world 4 --tag world4",
+          emulated=True),
     Block("powersgd_profile", "Where convoy's PowerSGD step spends its auxiliary thread's CPU",
           tuple(f"powersgd_profile_{tag}" for tag, _ in POWERSGD_CHANGES), "the step before each change",
           render_powersgd_profile,

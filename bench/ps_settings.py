@@ -21,9 +21,9 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import save  # noqa: E402
+from bench.common import launcher, save  # noqa: E402
 from bench.figures import Block, rows_of, seconds, table, times  # noqa: E402
-from bench.time_to_accuracy import launcher, step_figures  # noqa: E402
+from bench.time_to_accuracy import step_figures  # noqa: E402
 
 DEFAULT = "ps, defaults"
 # --settings key -> (the row's name, convoy train options)

@@ -22,7 +22,7 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import RESULTS, save  # noqa: E402
+from bench.common import RESULTS, launcher, save  # noqa: E402
 from bench.figures import Block, load, loaded, number, percent, rows_of, seconds, table, times  # noqa: E402
 
 PEER = str(Path(__file__).resolve().parent / "peers" / "ddp_train.py")
@@ -164,22 +164,6 @@ def link_shares(args: argparse.Namespace) -> str:
     cluster = load_cluster(args.cluster) if args.cluster else None
     rates = (cluster.rates or [cluster.rate_bps] * cluster.nodes) if cluster else [1e9] * args.hosts
     return "links:" + ",".join(f"{int(rate)}bit" for rate in rates)
-
-
-def launcher(command: list[str], hosts: int, rate: str, cluster: str | None = None,
-             tcp_congestion: str | None = None) -> list[str]:
-    """``command`` on ``hosts`` emulated hosts (``cluster``: a cluster file that describes them, slow
-    hosts included; ``tcp_congestion``: their TCP congestion control, else the machine's), or as
-    ``hosts`` local processes when ``rate`` is loopback."""
-    congestion = ["--tcp-congestion", tcp_congestion] if tcp_congestion else []
-    if cluster:
-        return [sys.executable, "-m", "convoy", "bench", "cluster", "--cluster", cluster, *congestion, "--", *command]
-    if rate != "loopback":
-        return [sys.executable, "-m", "convoy", "bench", "cluster", "--hosts", str(hosts), "--rate", rate,
-                *congestion, "--", *command]
-    if command[0] == "train":
-        return [sys.executable, "-m", "convoy", *command, "--nproc", str(hosts)]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(hosts), *command]
 
 
 def _records(path: Path) -> list[dict]:

@@ -5,7 +5,8 @@ import re
 import pytest
 
 from bench.accuracy_at_budget import accuracy_at, budget_rows
-from bench.time_to_accuracy import launcher, step_figures
+from bench.common import launcher
+from bench.time_to_accuracy import step_figures
 
 
 def _write(path, steps, evals=()):
