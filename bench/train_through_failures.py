@@ -649,6 +649,13 @@ BLOCKS = (
           partial(render_train_through_failures, "train_through_failures_vgg_fc_100mbit"),
           rerun="flock /tmp/convoy-netns.lock python bench/train_through_failures.py --model vgg_fc --kill-every 80",
           emulated=True),
+    Block("train_through_failures_downtime", "Each failure's downtime, step by step, in the 4-host run above",
+          ("train_through_failures_vgg_fc_100mbit",),
+          "nothing: each step's time after the kill (the latest agent or rank to reach it) and since the step "
+          "before; the peer's workers mark no steps of their own",
+          partial(render_downtime, "train_through_failures_vgg_fc_100mbit"),
+          rerun="flock /tmp/convoy-netns.lock python bench/train_through_failures.py --model vgg_fc --kill-every 80 "
+                "--timeline", emulated=True),
 )
 
 
