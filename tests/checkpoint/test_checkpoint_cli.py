@@ -220,11 +220,11 @@ def test_a_torchrun_restart_resumes_from_the_last_commit_by_itself(resumed_run, 
     same_saved_models(whole, tmp_path / "restarted")
 
 
-# blocktopk (local selection) with momentum correction: residuals and velocities, rebuilt by replay.
-# blocktopk with momentum correction: velocities in the rank files.
+# blocktopk (local selection) with momentum correction: residuals and velocities in the rank files
+# written with the full snapshots only, rebuilt by replay in between.
 SPARSE_JOB = (*JOB[:JOB.index("--compress")], "--compress", "blocktopk",
               *(flag for flag in JOB[JOB.index("--compress") + 2:] if flag != "--no-momentum-correction"),
-              "--checkpoint-full-every", "7")
+              "--checkpoint-full-every", "7", "--checkpoint-rank-files", "full")
 
 
 @pytest.mark.timeout(600)
