@@ -5,6 +5,21 @@ _CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), 127, 0x85)} | {10: "\\n", 13:
                                                                    0x2028: "\\u2028", 0x2029: "\\u2029"}
 
 
+# What gloo says when a peer's process or machine is gone mid-collective (a worker of
+# ``torchrun --nnodes MIN:MAX`` then fails, and its agent re-forms the job on the survivors).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """True when ``exc`` (or an error it was raised from) is gloo losing a peer: not a bug, no traceback."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if any(text in str(seen) for text in _PEER_GONE):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def one_line(message: str) -> str:
     """``message`` with control characters escaped, so a name the user typed (a path with a newline)
     cannot split the one line an error is printed on."""

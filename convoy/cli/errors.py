@@ -7,7 +7,7 @@ import sys
 import traceback
 from typing import Callable, NoReturn
 
-from convoy.errors import JobStopped, StartupFailed, TrainingDiverged, UsageError, one_line
+from convoy.errors import JobStopped, StartupFailed, TrainingDiverged, UsageError, one_line, peer_lost
 from convoy.utils.lifetime import StopOverdue, Stopped
 
 ERROR_FILE_ENV = "CONVOY_ERROR_FILE"
@@ -40,21 +40,6 @@ def _summary(exc: BaseException, rank: int) -> str:
         return f"stopped by {exc} to rank {rank} before training started"
     return str(exc) if isinstance(exc, (UsageError, TrainingDiverged, JobStopped, StartupFailed)) \
         else f"{type(exc).__name__}: {exc}"
-
-
-# What gloo says when a peer's process or machine is gone mid-collective (a worker of
-# ``torchrun --nnodes MIN:MAX`` then fails, and its agent re-forms the job on the survivors).
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
-
-
-def peer_lost(exc: BaseException) -> bool:
-    """True when ``exc`` (or an error it was raised from) is gloo losing a peer: not a bug, no traceback."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if any(text in str(seen) for text in _PEER_GONE):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 def report_failure(exc: BaseException, rank: int) -> int:

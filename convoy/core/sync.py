@@ -192,6 +192,12 @@ class SyncStrategy(ABC):
         """Strategy-specific figures of ``step`` for the metrics file (none by default)."""
         return {}
 
+    def explain_failure(self, exc: BaseException) -> BaseException:
+        """The error to report for ``exc``, which ended this rank's training: ``exc`` itself, or
+        what the strategy knows to be its cause (a parameter-server worker names the dead server
+        where a collective elsewhere only saw a connection reset)."""
+        return exc
+
     def _count(self, sent: int, received: int) -> None:
         with self._lock:
             self.bytes_sent += int(sent)

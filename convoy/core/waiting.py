@@ -64,6 +64,12 @@ class Waiter:
                 self.error, self.cause = f"{message}: {exc}" if message else str(exc), exc
             self.cond.notify_all()
 
+    def failure_within(self, timeout_s: float) -> str | None:
+        """The recorded failure's message, waiting up to ``timeout_s`` for one; None if none came."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.error is not None, timeout=timeout_s)
+            return self.error
+
     def raise_if_failed(self) -> None:
         if self.error is not None:
             self._raise_error(self.error, self.cause)

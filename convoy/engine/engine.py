@@ -275,6 +275,10 @@ class Engine:
         self._hook_handles.clear()
         self.sync.close()
 
+    def explain_failure(self, exc: BaseException) -> BaseException:
+        """The error to report for ``exc``, which ended training: its sync strategy's word on it."""
+        return self.sync.explain_failure(exc)
+
     def set_step(self, step: int) -> None:
         """Start counting at ``step`` (used when resuming from a checkpoint)."""
         if self._thread is not None:

@@ -34,7 +34,8 @@ from torch import nn
 from convoy.compress import Compressor, Memory
 from convoy.core import PendingSync, SyncStrategy
 from convoy.ps.job import PSJob
-from convoy.ps.progress import ps_waiter
+from convoy.errors import peer_lost
+from convoy.ps.progress import PSError, ps_waiter
 from convoy.ps.push import no_agreement, pieces_within, wire_width
 from convoy.ps.scheduler import SliceScheduler, Transfer, TransferError, stop_marks
 from convoy.ps.slicing import view
@@ -42,6 +43,9 @@ from convoy.ps.timeline import Timeline
 from convoy.ps.wire import HEADER_BYTES, REPLY_LANE, REPORT_TAG, STEP_TAG, PostedRecvs, Receiver
 from convoy.sync.allreduce import AllReduce
 from convoy.sync.rows import pack_row
+
+# How long a rank that lost a peer waits for its receivers to name the dead server (they see it at once).
+SERVER_FAILURE_GRACE_S = 2.0
 
 
 class _Pull(PendingSync):
@@ -374,6 +378,19 @@ class PushPull(AllReduce):
 
     def _failure(self, message: str) -> Callable[[BaseException], None]:
         return lambda exc: self._waiter.fail(message, exc)
+
+    def explain_failure(self, exc: BaseException) -> BaseException:
+        """A lost peer seen anywhere on this rank (a collective of the loop's, a send) is most likely
+        the server its receivers are about to report: wait for them a moment and name it."""
+        if not peer_lost(exc) or isinstance(exc, PSError):
+            return exc
+        failure = self._waiter.failure_within(SERVER_FAILURE_GRACE_S)
+        if failure is None:
+            return exc
+        try:   # chained to the collective's error, as a raise would chain it
+            raise PSError(failure) from exc
+        except PSError as explained:
+            return explained
 
 
     def _compute_hooks(self, model: nn.Module) -> list[Any]:

@@ -115,6 +115,11 @@ def run(config: TrainConfig, stop: StopRequest | None = None) -> RunSummary:
                          guard, session.start if session else ResumePoint(), stop)
     except TrainingDiverged as exc:   # the engine's or the guard's message, with what to try
         raise guard.explain(exc) from None
+    except Exception as exc:
+        explained = layout.engine.explain_failure(exc)
+        if explained is exc:
+            raise
+        raise explained from exc
     finally:
         metrics.close()
     layout.engine.close()

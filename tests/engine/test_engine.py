@@ -140,3 +140,26 @@ def test_lr_lambda_scales_every_layer_and_bad_arguments_are_rejected():
         Engine(object(), torch.optim.SGD, AllReduce(), lr=0.1)
     with pytest.raises(ValueError, match="Optimizer subclass"):
         Engine(model, dict, AllReduce(), lr=0.1)
+
+
+def test_a_waiter_reports_a_failure_that_comes_within_the_wait_and_none_after_it():
+    import threading
+    import time as _time
+
+    from convoy.core.waiting import Waiter
+    from convoy.errors import peer_lost
+
+    waiter = Waiter()
+    assert waiter.failure_within(0.05) is None
+    threading.Timer(0.1, waiter.fail, ("parameter server rank 0 failed", OSError("Connection reset by peer"))).start()
+    started = _time.perf_counter()
+    assert waiter.failure_within(5.0) == "parameter server rank 0 failed: Connection reset by peer"
+    assert _time.perf_counter() - started < 4.0   # woken by the failure, not by the timeout
+    assert peer_lost(RuntimeError("x")) is False
+    try:
+        try:
+            raise RuntimeError("[pair.cc:537] Read error: Connection reset by peer")
+        except RuntimeError as lost:
+            raise ValueError("wrapped") from lost
+    except ValueError as outer:
+        assert peer_lost(outer)
