@@ -24,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 import zlib
@@ -129,40 +128,31 @@ def read_chain(path: Path, generation: int, base_step: int, verify: bool = False
     """
     try:
         with open(path, "rb") as f:
-            head = f.read(_LOG_HEAD.size)
+            fd = f.fileno()
+            head = os.pread(fd, _LOG_HEAD.size, 0)
             if len(head) < _LOG_HEAD.size or _LOG_HEAD.unpack(head) != (LOG_MAGIC, generation, base_step):
                 return []
-            size = os.fstat(f.fileno()).st_size
-            if not verify or size <= _LOG_HEAD.size:
-                return _chain(lambda offset, length: os.pread(f.fileno(), length, offset), size, base_step, None)
-            # A log may hold hundreds of MB: its pages are checked where they lie, never copied.
-            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mapped:
-                view = memoryview(mapped)
-                try:
-                    return _chain(lambda offset, length: view[offset:offset + length].tobytes(), size, base_step,
-                                  view)
-                finally:
-                    view.release()
+            # A log may hold hundreds of MB: a record at a time is checked, in one buffer (never the whole
+            # file in memory; nor mapped: a live job's writer may cut the log while it is inspected).
+            chain, offset, buffer = [], _LOG_HEAD.size, bytearray()
+            while True:
+                raw = os.pread(fd, _RECORD_HEAD.size, offset)
+                if len(raw) < _RECORD_HEAD.size:
+                    return chain
+                magic, step, length, checksum = _RECORD_HEAD.unpack(raw)
+                start = offset + _RECORD_HEAD.size
+                if magic != RECORD_MAGIC or step != base_step + len(chain) + 1:
+                    return chain
+                if verify:
+                    if len(buffer) < length:
+                        buffer = bytearray(length)
+                    view = memoryview(buffer)[:length]
+                    if os.preadv(fd, [view], start) != length or zlib.crc32(view) != checksum:
+                        return chain
+                chain.append(Entry(step, start, length, checksum))
+                offset = start + length
     except OSError:
         return []
-
-
-def _chain(read: Any, size: int, base_step: int, data: memoryview | None) -> list[Entry]:
-    """The chain of records after the log's head: ``read(offset, length)`` gives a record's head,
-    ``data`` (when checksums are checked) the whole log."""
-    chain, offset = [], _LOG_HEAD.size
-    while True:
-        raw = read(offset, _RECORD_HEAD.size)
-        if len(raw) < _RECORD_HEAD.size:
-            return chain
-        magic, step, length, checksum = _RECORD_HEAD.unpack(raw)
-        start = offset + _RECORD_HEAD.size
-        if magic != RECORD_MAGIC or step != base_step + len(chain) + 1:
-            return chain
-        if data is not None and (start + length > size or zlib.crc32(data[start:start + length]) != checksum):
-            return chain
-        chain.append(Entry(step, start, length, checksum))
-        offset = start + length
 
 
 def read_payload(path: Path, entry: Entry) -> dict[str, Any]:
