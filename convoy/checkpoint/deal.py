@@ -61,28 +61,46 @@ def deal_mean(parts: list[torch.Tensor], world: int) -> tuple[list[torch.Tensor]
     old = len(parts)
     if world % old == 0:
         return [parts[j % old].clone() for j in range(world)], 0
+    # Element-wise throughout: a block of elements at a time, so that the float64 temporaries stay
+    # in the cache (the same operations on each element: the same bits as on the whole tensor).
+    flat = [part.reshape(-1) for part in parts]
+    out = [torch.empty(flat[0].numel(), dtype=torch.float32) for _ in range(world)]
+    inexact = 0
+    for start in range(0, flat[0].numel(), _BLOCK):
+        end = min(start + _BLOCK, flat[0].numel())
+        inexact += _deal_block([part[start:end] for part in flat], [o[start:end] for o in out])
+    return [o.view(parts[0].shape) for o in out], inexact
+
+
+_BLOCK = 1 << 15   # elements dealt at a time
+
+
+def _deal_block(parts: list[torch.Tensor], out: list[torch.Tensor]) -> int:
+    """:func:`deal_mean` of flat ``parts`` into ``out`` (one float32 tensor per new rank); returns
+    the number of elements whose mean could not be kept exactly."""
+    old, world = len(parts), len(out)
     total, rounded = _exact_scaled_sum(parts, world)
     target = total / old   # exact when ``old`` is a power of two; else one float64 rounding (not counted)
     if world == 1:
-        head = target.float()
-        return [head], int(((head.double() != target) | rounded).sum())
+        out[0].copy_(target)
+        return int(((out[0].double() != target) | rounded).sum())
     bulk = (target / (world - 1)).float()
     bulk_sum = bulk.double() * (world - 1)
     tail = (target - bulk_sum).float()
     fits = (target - bulk_sum) == tail.double()
-    out = [bulk.clone() for _ in range(world - 1)] + [tail]
+    for j in range(world - 1):
+        out[j].copy_(bulk)
+    out[-1].copy_(tail)
     inexact = 0
     if not bool(fits.all()):
         # The greedy float32 expansion of the target over every rank, where the tail did not fit.
-        left, terms = target.clone(), []
-        for _ in range(world):
-            term = left.float()
-            terms.append(term)
-            left = left - term.double()
+        left = target.clone()
         for j in range(world):
-            out[j] = torch.where(fits, out[j], terms[j])
+            term = left.float()
+            left = left - term.double()
+            out[j].copy_(torch.where(fits, out[j], term))
         inexact = int(((left != 0) & ~fits).sum())
-    return out, inexact + int((rounded & fits).sum())
+    return inexact + int((rounded & fits).sum())
 
 
 def _exact_scaled_sum(parts: list[torch.Tensor], world: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -79,9 +79,19 @@ class DiffLog:
         return cls(path, fd, _LOG_HEAD.size)
 
     @classmethod
-    def reopen(cls, path: Path, generation: int, base_step: int, through_step: int) -> "DiffLog":
-        """Open the log of snapshot ``generation`` and drop its records after ``through_step``."""
-        chain = [e for e in read_chain(path, generation, base_step, verify=True) if e.step <= through_step]
+    def reopen(cls, path: Path, generation: int, base_step: int, through_step: int,
+               chain: list[Entry] | None = None, verify: bool = True) -> "DiffLog":
+        """Open the log of snapshot ``generation`` and drop its records after ``through_step``.
+
+        Args:
+            chain: the log's records up to ``through_step`` as :func:`read_chain` gave them, when the
+                caller has just read them (a resume's restore point): the log is not read again.
+            verify: check the records' checksums to find where the chain ends (else only their
+                heads are read: for a cut of records a caller verified before).
+        """
+        if chain is None:
+            chain = read_chain(path, generation, base_step, verify=verify)
+        chain = [e for e in chain if e.step <= through_step]
         fd = os.open(path, os.O_RDWR)
         end = chain[-1].offset + chain[-1].length if chain else _LOG_HEAD.size
         os.ftruncate(fd, end)
@@ -118,26 +128,27 @@ def read_chain(path: Path, generation: int, base_step: int, verify: bool = False
     """
     try:
         with open(path, "rb") as f:
-            data = f.read() if verify else None
-            head = data[:_LOG_HEAD.size] if data is not None else f.read(_LOG_HEAD.size)
+            fd = f.fileno()
+            head = os.pread(fd, _LOG_HEAD.size, 0)
             if len(head) < _LOG_HEAD.size or _LOG_HEAD.unpack(head) != (LOG_MAGIC, generation, base_step):
                 return []
-            chain, offset = [], _LOG_HEAD.size
+            # A log may hold hundreds of MB: a record at a time is checked, in one buffer (never the whole
+            # file in memory; nor mapped: a live job's writer may cut the log while it is inspected).
+            chain, offset, buffer = [], _LOG_HEAD.size, bytearray()
             while True:
-                if data is not None:
-                    raw = data[offset:offset + _RECORD_HEAD.size]
-                else:
-                    f.seek(offset)
-                    raw = f.read(_RECORD_HEAD.size)
+                raw = os.pread(fd, _RECORD_HEAD.size, offset)
                 if len(raw) < _RECORD_HEAD.size:
                     return chain
                 magic, step, length, checksum = _RECORD_HEAD.unpack(raw)
                 start = offset + _RECORD_HEAD.size
                 if magic != RECORD_MAGIC or step != base_step + len(chain) + 1:
                     return chain
-                if data is not None and (start + length > len(data)
-                                         or zlib.crc32(data[start:start + length]) != checksum):
-                    return chain
+                if verify:
+                    if len(buffer) < length:
+                        buffer = bytearray(length)
+                    view = memoryview(buffer)[:length]
+                    if os.preadv(fd, [view], start) != length or zlib.crc32(view) != checksum:
+                        return chain
                 chain.append(Entry(step, start, length, checksum))
                 offset = start + length
     except OSError:
@@ -146,10 +157,11 @@ def read_chain(path: Path, generation: int, base_step: int, verify: bool = False
 
 def read_payload(path: Path, entry: Entry) -> dict[str, Any]:
     """The update of one record (see :func:`unpack`), its checksum checked; FormatError when damaged."""
+    raw = bytearray(entry.length)   # the tensors of the update are views of it: read once, no copy
     with open(path, "rb") as f:
         f.seek(entry.offset)
-        raw = f.read(entry.length)
-    if len(raw) != entry.length or zlib.crc32(raw) != entry.checksum:
+        got = f.readinto(raw)
+    if got != entry.length or zlib.crc32(raw) != entry.checksum:
         raise FormatError(f"{path.name}: the record of step {entry.step} is damaged (checksum mismatch)")
     return unpack(raw)
 
@@ -261,12 +273,13 @@ def pack(step: int, buckets: list[BucketUpdate], skipped: list[str]) -> list[mem
     return [memoryview(_HEAD.pack(len(raw)) + raw), *(raw_bytes(t) for b in buckets for t in b.grad.tensors())]
 
 
-def unpack(raw: bytes) -> dict[str, Any]:
-    """``{"step", "buckets": [BucketUpdate], "skipped": [layer name]}`` from a payload."""
+def unpack(raw: bytes | bytearray) -> dict[str, Any]:
+    """``{"step", "buckets": [BucketUpdate], "skipped": [layer name]}`` from a payload (the
+    tensors are views of ``raw`` when it is a bytearray, else of a copy)."""
     (length,) = _HEAD.unpack_from(raw)
     header = json.loads(raw[_HEAD.size:_HEAD.size + length])
     offset = _HEAD.size + length
-    buffer = bytearray(raw)   # writable: the tensors below are views of it
+    buffer = raw if isinstance(raw, bytearray) else bytearray(raw)   # writable: the tensors below are views of it
 
     def take(dtype: torch.dtype, count: int) -> torch.Tensor:
         nonlocal offset

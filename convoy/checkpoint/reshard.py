@@ -165,9 +165,11 @@ def complete(directory: Path) -> bool:
     if put is None:
         # The old workers' log past the re-dealt step: replaying it on the new workers' state would not
         # give the state they would have had; they train those steps again.
+        # Only the records' heads are read: those up to the step were checked when it was chosen, and
+        # a record damaged since ends the chain a resume reads all the same.
         log = log_path(model_file(directory, 0), plan["model_area"])
         if log.exists():
-            DiffLog.reopen(log, plan["model_generation"], plan["model_base"], step).close()
+            DiffLog.reopen(log, plan["model_generation"], plan["model_base"], step, verify=False).close()
     old = staging / "old"
     old.mkdir(exist_ok=True)
     for rank in range(old_world):

@@ -388,8 +388,9 @@ def _open_for_writing(start: ResumePoint, layout: Layout, mpath: Path, rpath: Pa
     base = points[reached].report.record
     model_store = _reopen(mpath, model_reports, reached) if is_writer else None
     if is_writer and log_path(mpath, points[reached].report.area).exists():
+        # The records up to the step were read and checked a moment ago: the log is cut there, not read again.
         DiffLog.reopen(log_path(mpath, points[reached].report.area), base.generation, base.step,
-                       reached).close()
+                       reached, chain=points[reached].updates).close()
     rank_store = _reopen(rpath, rank_reports, start.step)
     return (model_store, rank_store, base.generation, valid_steps(rank_reports)[start.step].record.generation)
 

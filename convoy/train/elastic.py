@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -124,6 +125,10 @@ def adapt_to_checkpoint(config: TrainConfig, model: nn.Module, ctx: runtime.Cont
             outcome = [_adapt(config, model, ctx.world_size, nodes)]
         except UsageError as exc:
             outcome = [("refused", str(exc))]
+    else:
+        # The first optimizer a process builds imports torch._dynamo (a second or more on a slow host):
+        # the ranks that wait for rank 0's mapping pay for it meanwhile rather than after it.
+        _warm_up_optimizer(config)
     if dist.is_initialized() and ctx.world_size > 1:
         dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is None:
@@ -135,6 +140,11 @@ def adapt_to_checkpoint(config: TrainConfig, model: nn.Module, ctx: runtime.Cont
     if ctx.rank == 0:
         print(note, file=sys.stderr, flush=True)
     return config.with_settings(batch_size=batch)
+
+
+def _warm_up_optimizer(config: TrainConfig) -> None:
+    optimizer_class, hyper = optimizer_spec(config)
+    optimizer_class([torch.zeros(1, requires_grad=True)], **hyper)
 
 
 def finish_resharding(config: TrainConfig, rank: int) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from convoy.checkpoint.recovery import rank_file_tensors, scan
-from convoy.checkpoint.deal import deal_mean, deal_states
+from convoy.checkpoint.deal import _BLOCK, deal_mean, deal_states
 from convoy.checkpoint.reshard import STAGING, complete, reshard
 from convoy.checkpoint.written import rank_files, recorded_job
 from convoy.checkpoint.store import Store
@@ -51,6 +51,24 @@ def test_the_deal_keeps_the_mean_over_workers_bit_for_bit(old, new):
     parts[0][:500] = 0.0
     dealt, inexact = deal_mean(parts, new)
     assert inexact == 0 and len(dealt) == new and all(t.dtype == torch.float32 for t in dealt)
+    assert_mean_kept(parts, dealt)
+
+
+def test_a_tensor_dealt_block_by_block_keeps_its_shape_and_every_element_s_mean():
+    # Over several of deal_mean's blocks, the last one partial, in a 2-d residual: no element lost at a seam.
+    generator = torch.Generator().manual_seed(5)
+    shape = (3, _BLOCK + 11)
+    parts = [torch.randn(shape, generator=generator) * 10 ** torch.randint(-3, 1, shape, generator=generator)
+             for _ in range(4)]
+    parts[1][1, _BLOCK - 3:_BLOCK + 3] = 0.0
+    dealt, inexact = deal_mean(parts, 3)
+    assert inexact == 0 and all(t.shape == shape and t.dtype == torch.float32 for t in dealt)
+    assert_mean_kept(parts, dealt)
+    # Where the tail does not fit one float32 the greedy expansion is used, across the seam too.
+    parts[2][0, _BLOCK - 1:_BLOCK + 1] = 2.0 ** -40
+    parts[0][0, _BLOCK - 1:_BLOCK + 1] = 1.0
+    dealt, inexact = deal_mean(parts, 3)
+    assert inexact == 0
     assert_mean_kept(parts, dealt)
 
 
