@@ -347,6 +347,12 @@ RESNET18_RUNS = ("time_to_accuracy_resnet18_100mbit_vs_ddp_powersgd",
                  "time_to_accuracy_resnet18_100mbit_vs_ddp_powersgd_fp16_fresh_clone",
                  "time_to_accuracy_resnet18_100mbit_vs_ddp_powersgd_blocktopk_l2")
 
+
+def _versus_powersgd(name: str, title: str, result: str, flags: str) -> Block:
+    """A block of one run's rows against DDP + PowerSGD in that run, measured by this script with ``flags``."""
+    return Block(name, title, (result,), VERSUS_POWERSGD, partial(render_versus_peer, result),
+                 rerun=f"python bench/time_to_accuracy.py {flags}", emulated=True)
+
 BLOCKS = (
     Block("tta_vgg_fc_100mbit_tuned", "Time to 95% and 97%: vgg_fc, 4 hosts at 100 Mbit, against the tuned peers",
           ("time_to_accuracy_vgg_fc_100mbit",), "the best of DDP + torch's PowerSGD hook at ranks 1, 2, 4, 8 "
@@ -369,11 +375,10 @@ BLOCKS = (
                   reference="time_to_accuracy_vgg_fc_100mbit_untuned_peers"),
           rerun="python bench/time_to_accuracy.py --hosts 4 --rate 100mbit --model vgg_fc --target 0.97 "
                 "--strategies powersgd blocktopk --tag sparse", emulated=True),
-    Block("tta_vgg_fc_100mbit_powersgd_engine", "Time to 95% and 97%: convoy's compressors against DDP + PowerSGD",
-          ("time_to_accuracy_vgg_fc_100mbit_vs_ddp_powersgd",), VERSUS_POWERSGD,
-          partial(render_versus_peer, "time_to_accuracy_vgg_fc_100mbit_vs_ddp_powersgd"),
-          rerun="python bench/time_to_accuracy.py --hosts 4 --rate 100mbit --model vgg_fc --target 0.97 "
-                "--tag vs_ddp_powersgd --strategies powersgd convoy-powersgd blocktopk", emulated=True),
+    _versus_powersgd("tta_vgg_fc_100mbit_powersgd_engine", "Time to 95% and 97%: convoy's compressors against DDP + "
+                     "PowerSGD", "time_to_accuracy_vgg_fc_100mbit_vs_ddp_powersgd",
+                     "--hosts 4 --rate 100mbit --model vgg_fc --target 0.97 --tag vs_ddp_powersgd --strategies powersgd "
+                     "convoy-powersgd blocktopk"),
     Block("tta_resnet18_100mbit_peer", "Time to 95% and 97%: resnet18, convoy's compressors against DDP + PowerSGD",
           RESNET18_RUNS,
           "DDP + torch's PowerSGD hook (rank 2), in each run (the ratios are its time in that run over each row's)",
@@ -384,16 +389,12 @@ BLOCKS = (
                 "vs_ddp_powersgd_fp16_fresh_clone --strategies powersgd fp16 (run 3, a fresh clone); without "
                 "--eval-every (20), --tag vs_ddp_powersgd_blocktopk_l2 --strategies powersgd blocktopk (run 4, "
                 "blocktopk scoring blocks by L2)", emulated=True),
-    Block("tta_vgg_fc_1gbit_peer", "Time to 95% and 97% at 1 Gbit: vgg_fc, convoy against DDP + PowerSGD",
-          ("time_to_accuracy_vgg_fc_1gbit",), VERSUS_POWERSGD,
-          partial(render_versus_peer, "time_to_accuracy_vgg_fc_1gbit"),
-          rerun="python bench/time_to_accuracy.py --hosts 4 --rate 1gbit --model vgg_fc --target 0.97 --strategies "
-                "powersgd convoy-powersgd blocktopk dense", emulated=True),
-    Block("tta_resnet18_1gbit_peer", "Time to 95% and 97% at 1 Gbit: resnet18, convoy against DDP + PowerSGD",
-          ("time_to_accuracy_resnet18_1gbit",), VERSUS_POWERSGD,
-          partial(render_versus_peer, "time_to_accuracy_resnet18_1gbit"),
-          rerun="python bench/time_to_accuracy.py --hosts 4 --rate 1gbit --model resnet18 --target 0.97 "
-                "--eval-every 25 --strategies powersgd convoy-powersgd blocktopk fp16", emulated=True),
+    _versus_powersgd("tta_vgg_fc_1gbit_peer", "Time to 95% and 97% at 1 Gbit: vgg_fc, convoy against DDP + PowerSGD",
+                     "time_to_accuracy_vgg_fc_1gbit", "--hosts 4 --rate 1gbit --model vgg_fc --target 0.97 "
+                     "--strategies powersgd convoy-powersgd blocktopk dense"),
+    _versus_powersgd("tta_resnet18_1gbit_peer", "Time to 95% and 97% at 1 Gbit: resnet18, convoy against DDP + "
+                     "PowerSGD", "time_to_accuracy_resnet18_1gbit", "--hosts 4 --rate 1gbit --model resnet18 "
+                     "--target 0.97 --eval-every 25 --strategies powersgd convoy-powersgd blocktopk fp16"),
     Block("tta_vgg_fc_straggler", "Time to 97%: vgg_fc, 4 hosts at 100 Mbit, one at a quarter of the others' speed",
           ("time_to_accuracy_vgg_fc_straggler",), "convoy's all-reduce (dense) in the same run; ps-colocated-s2 is "
           "--staleness 2", partial(render_time_to_accuracy, "time_to_accuracy_vgg_fc_straggler"),
