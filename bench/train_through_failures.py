@@ -35,9 +35,10 @@ twice, in this order: without failures, then with a host killed every K steps
   left is over (the lost host's keep-alive expires), then joins the next one
   with them, and the job re-forms on H hosts; convoy resumes its newest step
   on the world that wrote it (nothing re-dealt). If the replacement comes
-  after that round closed without it, it asks for another: the job restarts
-  twice (``restarts``), and the second restart's time down counts for the
-  same failure. These rows are ``<strategy> (host replaced)``; with
+  after that round closed without it, it asks for another: the job re-forms
+  twice, the time down counts for the same failure until the first step
+  recorded on the full world (``restarts`` counts the survivors' world only
+  if it recorded a step). These rows are ``<strategy> (host replaced)``; with
   ``--timeline`` each run records the rounds the job re-formed in after each
   kill (``rounds_after_kill``: their world, hosts and time).
 
@@ -511,8 +512,9 @@ def plot(rows: list[dict[str, Any]], path: Path, target: float, title: str = "")
         if not row["curve"]:
             continue
         failing = row["failures"] != "none"
-        job = "DDP peer + DCP" if row.get("peer") else "convoy elastic"
-        label = f"{run_label(row)} ({job}){', a host killed ' + row['failures'] if failing else ''}"
+        job = "DDP peer + DCP" if row.get("peer") else "convoy elastic, host replaced" if row.get("replaced") \
+            else "convoy elastic"
+        label = f"{row['strategy']} ({job}){', a host killed ' + row['failures'] if failing else ''}"
         style = "-" if not failing else "-." if row.get("replaced") and not row.get("peer") else "--"
         kills = [kill["at"] for kill in row["kill_log"]]
         # One line per life of the job: nothing is trained between a kill and the restart.
@@ -676,7 +678,7 @@ def main() -> None:
     save(name, settings, rows, [c.replace("0.95", f"{args.also_target:g}") for c in COLUMNS])
     plot(rows, RESULTS / f"{name}.png", args.target, title=f"{args.model}, {args.hosts} emulated hosts at {args.rate}, "
          f"each with {len(os.sched_getaffinity(0)) / args.hosts:g} cores; dashed: a host killed every "
-         f"{args.kill_every} steps")
+         f"{args.kill_every} steps" + ("; dash-dotted: convoy's lost host replaced" if args.convoy_replaced else ""))
 
 
 # The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
