@@ -261,7 +261,7 @@ def rounds_joined(kills: list[dict[str, Any]], logs: list[Path]) -> list[list[di
         >>> rounds_joined([{"wall": t0}], logs)   # host 2 replaced at once, in the survivors' round
         [[{"world": 3, "hosts": [0, 1, 2], "at": 6.6}]]
     """
-    joins = []   # (time, round, world, host)
+    joins = []   # (time, the round's master address and port, world, host)
     for log in logs:
         host = int(re.search(r"agent-h(\d+)-", log.name).group(1))
         master = None
@@ -479,7 +479,7 @@ def summarize(name: str, failures: list[Failure], records: list[dict[str, Any]],
     down = [firsts[kill["life"] + 1] - kill["at"] for kill in kills if kill["life"] + 1 in firsts]
     killed_lives = {kill["life"] for kill in kills}
     for life in sorted(firsts):   # the lives that ended without a kill, but for the last
-        if life in killed_lives or life + 1 not in firsts or life not in lasts:
+        if life in killed_lives or life + 1 not in firsts:
             continue
         before = [i for i, kill in enumerate(kills) if kill["life"] < life]
         if before and before[-1] < len(down):
