@@ -27,6 +27,20 @@ twice, in this order: without failures, then with a host killed every K steps
   the lost host is replaced, its agent started again ``--replace-after``
   seconds after the kill (0: at once, the peer's best case, a spare host
   standing by), and every worker restarts from the newest DCP checkpoint.
+- ``--convoy-replaced`` adds, for each convoy strategy, a run with the same
+  failures in which the lost host is replaced as the peer's is: its agent
+  started again ``--replace-after`` seconds after the kill, on the same
+  emulated host (its address and its cores). Still ``--nnodes 1:H``: the
+  replacement's agent waits in the rendezvous until the round the survivors
+  left is over (the lost host's keep-alive expires), then joins the next one
+  with them, and the job re-forms on H hosts; convoy resumes its newest step
+  on the world that wrote it (nothing re-dealt). If the replacement comes
+  after that round closed without it, it asks for another: the job re-forms
+  twice, the time down counts for the same failure until the first step
+  recorded on the full world (``restarts`` counts the survivors' world only
+  if it recorded a step). These rows are ``<strategy> (host replaced)``; with
+  ``--timeline`` each run records the rounds the job re-formed in after each
+  kill (``rounds_after_kill``: their world, hosts and time).
 
 The failures fall at the same steps for every strategy: the i-th at the
 first step from i x K that lies in the middle of the DDP peer's checkpoint
@@ -233,6 +247,45 @@ def downtime_parts(kills: list[dict[str, Any]], logs: list[Path], marks: Path) -
     return out
 
 
+def rounds_joined(kills: list[dict[str, Any]], logs: list[Path]) -> list[list[dict[str, Any]]]:
+    """For each kill, the rendezvous rounds completed after it (before the next kill), in order, from
+    the agents' logs at ``LOGLEVEL=INFO`` (their "Rendezvous complete" result: a round is one master
+    address and port): its ``world`` (``group_world_size``), the ``hosts`` whose agents joined it (from
+    the logs' names, ``agent-h<host>-<n>.log``) and when the last of them did (``at``, s after the kill).
+
+    Two rounds after one kill: the job re-formed twice, e.g. a replacement host that joined after
+    the survivors' round had closed, and asked for another.
+
+    Example::
+
+        >>> rounds_joined([{"wall": t0}], logs)   # host 2 replaced at once, in the survivors' round
+        [[{"world": 3, "hosts": [0, 1, 2], "at": 6.6}]]
+    """
+    joins = []   # (time, the round's master address and port, world, host)
+    for log in logs:
+        host = int(re.search(r"agent-h(\d+)-", log.name).group(1))
+        master = None
+        for t, message in agent_events(log):
+            if message.strip().startswith(("master_addr=", "master_port=")):
+                master = (master or "") + message.strip()
+            elif message.strip().startswith("group_world_size="):
+                joins.append((t, master, int(message.strip().split("=")[1]), host))
+            elif "Rendezvous complete for" in message:
+                master = None
+    out = []
+    for i, kill in enumerate(kills):
+        start = kill["wall"]
+        end = kills[i + 1]["wall"] if i + 1 < len(kills) else float("inf")
+        rounds: dict[Any, dict[str, Any]] = {}
+        for t, master, world, host in sorted(joins):
+            if start <= t < end:
+                entry = rounds.setdefault(master, {"world": world, "hosts": [], "at": 0.0})
+                entry["hosts"] = sorted({*entry["hosts"], host})
+                entry["at"] = max(entry["at"], t - start)
+        out.append(sorted(rounds.values(), key=lambda r: r["at"]))
+    return out
+
+
 def print_downtime(name: str, parts: list[dict[str, float]]) -> None:
     """Each kill's recovery: every step's time after the kill and since the step before."""
     for i, steps in enumerate(parts):
@@ -346,8 +399,12 @@ class Job:
 
 
 def run_job(name: str, words: list[str], failures: list[Failure], args: argparse.Namespace,
-            work: Path) -> dict[str, Any]:
-    """Strategy ``name`` (``words``: its own) to the target on a fresh cluster, ``failures`` injected; its row."""
+            work: Path, replaced: bool = False) -> dict[str, Any]:
+    """Strategy ``name`` (``words``: its own) to the target on a fresh cluster, ``failures`` injected; its row.
+    ``replaced``: a lost host's agent is started again ``args.replace_after`` seconds after the kill, on the
+    same emulated host (its address and its cores), as the peer's always is; a convoy job then re-forms on the
+    full world (``--nnodes 1:H`` admits it) instead of going on with the survivors."""
+    replaced = replaced or not _convoy(words)   # the peer cannot go on without its full world
     work.mkdir(parents=True)
     topology = Topology(args.hosts, parse_rate(args.rate), own_cores=True)
     with EmulatedCluster(topology) as cluster:
@@ -374,7 +431,7 @@ def run_job(name: str, words: list[str], failures: list[Failure], args: argparse
                     job.kill(failure.host)
                     kills.append({"step": done, "host": failure.host, "at": time.monotonic() - began,
                                   "life": tail.life, "wall": time.time()})
-                    if not _convoy(words):
+                    if replaced:
                         replacements.append((time.monotonic() + args.replace_after, failure.host))
                     done = 0   # the next failure waits for the next life to reach its step
                 for due, host in [r for r in replacements if r[0] <= now]:
@@ -388,8 +445,11 @@ def run_job(name: str, words: list[str], failures: list[Failure], args: argparse
         codes = {host: agent.returncode for host, agent in job.agents.items()}
         said = job.said()
         parts = downtime_parts(kills, job.logs, work / TIMELINE) if args.timeline else None
-    row = {**summarize(name, failures, records, kills, codes, said, wall, args, peer=not _convoy(words)),
-           "world_at_start": world}
+        rounds = rounds_joined(kills, job.logs) if args.timeline else None
+    row = {**summarize(name, failures, records, kills, codes, said, wall, args, peer=not _convoy(words),
+                       replaced=replaced), "world_at_start": world}
+    if rounds is not None:
+        row["rounds_after_kill"] = rounds
     if parts is not None:
         first_records = [row["down_per_restart_s"][i] if i < len(row["down_per_restart_s"]) else None
                          for i in range(len(kills))]
@@ -399,24 +459,38 @@ def run_job(name: str, words: list[str], failures: list[Failure], args: argparse
 
 def summarize(name: str, failures: list[Failure], records: list[dict[str, Any]], kills: list[dict[str, Any]],
               codes: dict[int, int], said: list[str], wall: float, args: argparse.Namespace,
-              peer: bool) -> dict[str, Any]:
-    """A run's row from rank 0's records (``at``, ``life``) and the kills made; ``peer``: a DDP peer's run."""
+              peer: bool, replaced: bool | None = None) -> dict[str, Any]:
+    """A run's row from rank 0's records (``at``, ``life``) and the kills made; ``peer``: a DDP peer's run;
+    ``replaced``: its lost hosts were replaced (default: a peer's are).
+
+    A restart no kill caused (a replacement that joined after the survivors' round closed asks for
+    another) is part of the kill before it: its time down, from the last record of the life it
+    stopped to the first of the next, is added to that kill's."""
+    replaced = peer if replaced is None else replaced
     evals = [r for r in records if r["kind"] == "eval"]
     curve = [(r["at"], r["step"], r["test_accuracy"]) for r in evals]
     lives = [sorted(r["step"] for r in records if r["kind"] == "step" and r["life"] == life)
              for life in range(max((r["life"] for r in records), default=0) + 1)]
     redone = steps_redone(lives)
-    firsts = {}   # each life's first record on the bench's clock
+    firsts, lasts = {}, {}   # each life's first and last record on the bench's clock
     for record in records:
         firsts.setdefault(record["life"], record["at"])
+        lasts[record["life"]] = record["at"]
     down = [firsts[kill["life"] + 1] - kill["at"] for kill in kills if kill["life"] + 1 in firsts]
+    killed_lives = {kill["life"] for kill in kills}
+    for life in sorted(firsts):   # the lives that ended without a kill, but for the last
+        if life in killed_lives or life + 1 not in firsts:
+            continue
+        before = [i for i, kill in enumerate(kills) if kill["life"] < life]
+        if before and before[-1] < len(down):
+            down[before[-1]] += firsts[life + 1] - lasts[life]
     t_target, s_target = time_to(curve, args.target)
     t_also, _ = time_to(curve, args.also_target)
     killed = {kill["host"] for kill in kills}
-    # A convoy job ends on its survivors; the peer's replaced hosts must end well too.
-    ending = {host: code for host, code in codes.items() if peer or host not in killed}
+    # A convoy job ends on its survivors; replaced hosts (the peer's, always) must end well too.
+    ending = {host: code for host, code in codes.items() if replaced or host not in killed}
     return {"strategy": name, "failures": f"every {args.kill_every}" if failures else "none",
-            "peer": peer, f"time_to_{args.also_target:g}_s": t_also, "time_to_target_s": t_target,
+            "peer": peer, "replaced": bool(failures) and replaced, f"time_to_{args.also_target:g}_s": t_also, "time_to_target_s": t_target,
             "steps_to_target": s_target, "kills": len(kills), "restarts": len(lives) - 1,
             "steps_redone": sum(redone), "down_s": sum(down), "final_accuracy": curve[-1][2] if curve else None,
             "final_step": max((s for life in lives for s in life), default=-1) + 1,
@@ -426,7 +500,8 @@ def summarize(name: str, failures: list[Failure], records: list[dict[str, Any]],
 
 
 def plot(rows: list[dict[str, Any]], path: Path, target: float, title: str = "") -> None:
-    """Accuracy against wall time, one line per run (dashed: with failures), failures marked x."""
+    """Accuracy against wall time, one line per run (dashed: with failures; dash-dotted: with failures and
+    convoy's lost hosts replaced), failures marked x."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -437,15 +512,17 @@ def plot(rows: list[dict[str, Any]], path: Path, target: float, title: str = "")
         if not row["curve"]:
             continue
         failing = row["failures"] != "none"
-        job = "DDP peer + DCP" if row.get("peer") else "convoy elastic"
+        job = "DDP peer + DCP" if row.get("peer") else "convoy elastic, host replaced" if row.get("replaced") \
+            else "convoy elastic"
         label = f"{row['strategy']} ({job}){', a host killed ' + row['failures'] if failing else ''}"
+        style = "-" if not failing else "-." if row.get("replaced") and not row.get("peer") else "--"
         kills = [kill["at"] for kill in row["kill_log"]]
         # One line per life of the job: nothing is trained between a kill and the restart.
         lives = [[p for p in row["curve"] if start <= p[0] < end]
                  for start, end in zip([0.0, *kills], [*kills, float("inf")])]
         for life in filter(None, lives):
             times, _, accuracy = zip(*life)
-            line, = ax.plot(times, [100 * a for a in accuracy], linestyle="--" if failing else "-", marker="o",
+            line, = ax.plot(times, [100 * a for a in accuracy], linestyle=style, marker="o",
                             markersize=2.5, color=colours.get(row["strategy"]), label=label)
             colours.setdefault(row["strategy"], line.get_color())
             label = None
@@ -461,6 +538,34 @@ def plot(rows: list[dict[str, Any]], path: Path, target: float, title: str = "")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def planned_runs(strategies: list[str], commands: dict[str, list[str]], failures: list[Failure],
+                 args: argparse.Namespace) -> list[tuple[str, list[Failure], bool]]:
+    """The runs, in order: (strategy, failures injected, lost hosts replaced) for each strategy, without
+    failures, then with them (``--no-failures-only``, ``--failures-only``); with ``--convoy-replaced``,
+    a convoy strategy's run with failures once more, its lost hosts replaced as the peer's are.
+
+    Example::
+
+        >>> planned_runs(["blocktopk", "ddp-powersgd-r4"], commands, schedule, args)   # --convoy-replaced
+        [("blocktopk", [], False), ("blocktopk", schedule, False), ("blocktopk", schedule, True),
+         ("ddp-powersgd-r4", [], False), ("ddp-powersgd-r4", schedule, True)]
+    """
+    runs = []
+    for name in strategies:
+        convoy = _convoy(commands[name])
+        injected = [[]] if args.no_failures_only else [failures] if args.failures_only else [[], failures]
+        for each in injected:
+            runs.append((name, each, bool(each) and not convoy))   # the peer's lost hosts are always replaced
+            if each and convoy and args.convoy_replaced:
+                runs.append((name, each, True))
+    return runs
+
+
+def run_label(row: dict[str, Any]) -> str:
+    """A run's name in the tables and the plot: its strategy, and whether convoy's lost hosts were replaced."""
+    return f"{row['strategy']} (host replaced)" if row.get("replaced") and not row.get("peer") else row["strategy"]
 
 
 ELIGIBLE = [name for name, command in STRATEGIES.items()
@@ -497,7 +602,11 @@ def main() -> None:
     parser.add_argument("--ddp-checkpoint-every", type=int, default=20, help="the DDP peer's DCP checkpoint "
                         "interval, in steps (the failures fall mid-way through one)")
     parser.add_argument("--replace-after", type=float, default=0.0, help="seconds after a kill until the DDP "
-                        "peer's host is back (default: 0, a spare standing by)")
+                        "peer's host is back, and convoy's with --convoy-replaced (default: 0, a spare standing by)")
+    parser.add_argument("--convoy-replaced", action="store_true", help="also run each convoy strategy with "
+                        "failures and its lost host replaced as the peer's is (--replace-after; the same emulated "
+                        "host, its cores included): the rendezvous re-forms the full world and convoy resumes on "
+                        "it; rows '<strategy> (host replaced)' beside those that go on with the survivors")
     parser.add_argument("--last-call", type=int, default=FAST_RENDEZVOUS["last_call_timeout"], help="seconds the "
                         "rendezvous waits for more hosts once it has the fewest it takes (convoy's elastic jobs: "
                         "also at the start; default: convoy.emulation.agents.FAST_RENDEZVOUS's)")
@@ -549,26 +658,27 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="convoy-failures-") as tmp:
         tmp = args.work or tmp
-        for name in args.strategies:
-            for injected in ([[]] if args.no_failures_only else [failures] if args.failures_only else [[], failures]):
-                work = Path(tmp, f"{name}-{'failures' if injected else 'none'}")
-                try:
-                    rows.append(run_job(name, commands[name], injected, args, work))
-                except RuntimeError as exc:   # one failing run must not lose the others' figures
-                    print(exc, file=sys.stderr, flush=True)
-                    rows.append({"strategy": name, "failures": "none" if not injected else f"every {args.kill_every}",
-                                 "error": str(exc), "curve": [], "kill_log": [], "clean_exit": False})
-                print({k: v for k, v in rows[-1].items() if k not in ("curve", "said", "downtime_parts")},
-                      flush=True)
-                if rows[-1].get("downtime_parts"):
-                    print_downtime(name, rows[-1]["downtime_parts"])
+        for name, injected, replaced in planned_runs(args.strategies, commands, failures, args):
+            convoy_replaced = replaced and _convoy(commands[name])
+            work = Path(tmp, f"{name}-{'replaced' if convoy_replaced else 'failures' if injected else 'none'}")
+            try:
+                rows.append(run_job(name, commands[name], injected, args, work, replaced=replaced))
+            except RuntimeError as exc:   # one failing run must not lose the others' figures
+                print(exc, file=sys.stderr, flush=True)
+                rows.append({"strategy": name, "failures": "none" if not injected else f"every {args.kill_every}",
+                             "peer": not _convoy(commands[name]), "replaced": replaced, "error": str(exc),
+                             "curve": [], "kill_log": [], "clean_exit": False})
+            print({k: v for k, v in rows[-1].items() if k not in ("curve", "said", "downtime_parts")},
+                  flush=True)
+            if rows[-1].get("downtime_parts"):
+                print_downtime(run_label(rows[-1]), rows[-1]["downtime_parts"])
     name = f"train_through_failures_{args.model}_{args.rate}" + (f"_{args.tag}" if args.tag else "")
     settings = {**vars(args), "schedule": [asdict(f) for f in failures], "cpus": os.cpu_count(),
                 "load_average_1min": [load_before, os.getloadavg()[0]]}
     save(name, settings, rows, [c.replace("0.95", f"{args.also_target:g}") for c in COLUMNS])
     plot(rows, RESULTS / f"{name}.png", args.target, title=f"{args.model}, {args.hosts} emulated hosts at {args.rate}, "
          f"each with {len(os.sched_getaffinity(0)) / args.hosts:g} cores; dashed: a host killed every "
-         f"{args.kill_every} steps")
+         f"{args.kill_every} steps" + ("; dash-dotted: convoy's lost host replaced" if args.convoy_replaced else ""))
 
 
 # The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
@@ -580,6 +690,12 @@ def peer_line(settings: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     ranks = {STRATEGIES[r["strategy"]][2] for r in rows if r.get("peer") and r["strategy"] in STRATEGIES
              and STRATEGIES[r["strategy"]][1:2] == ["--powersgd-rank"]}
     return f"The peer: DDP + PowerSGD at rank {', '.join(sorted(ranks))}, as the run named it.\n\n" if ranks else ""
+
+
+def replaced_when(settings: dict[str, Any]) -> str:
+    """When a lost host came back, in words (``--replace-after``)."""
+    after = settings.get("replace_after", 0.0)
+    return " at once" if not after else f" {after:g} s after the kill"
 
 
 def render_train_through_failures(name: str) -> str:
@@ -597,13 +713,15 @@ def render_train_through_failures(name: str) -> str:
         return times(row[key] / base) if base else "not reached without failures"
     cells = []
     for r in rows:
-        job = "DDP + DCP, torchrun restarts" if r.get("peer") else "convoy, elastic"
+        job = "DDP + DCP, torchrun restarts" if r.get("peer") else \
+            f"convoy, elastic, lost host replaced{replaced_when(settings)}" if r.get("replaced") else \
+            "convoy, elastic" if r["failures"] == "none" else "convoy, elastic, on the survivors"
         failures = "none" if r["failures"] == "none" else \
             f"a host {r['failures']} steps ({r.get('kills', 0)} killed)"
         if "error" in r:
-            cells.append([r["strategy"], job, failures, f"failed: {r['error']}", *["-"] * 9])
+            cells.append([run_label(r), job, failures, f"failed: {r['error']}", *["-"] * 9])
             continue
-        cells.append([r["strategy"], job, failures, seconds(r.get(also), "not reached"), cost(r, also),
+        cells.append([run_label(r), job, failures, seconds(r.get(also), "not reached"), cost(r, also),
                       seconds(r.get("time_to_target_s"), "not reached"), cost(r, "time_to_target_s"),
                       number(r.get("steps_redone")), number(r.get("restarts")),
                       f"{seconds(r['down_s'])} ({seconds(r['down_s'] / r['kills'])} each)" if r.get("kills")
@@ -618,19 +736,27 @@ def render_train_through_failures(name: str) -> str:
 
 def render_downtime(name: str) -> str:
     """Each failure's recovery, step by step (a run with ``--timeline``): when each step was reached
-    after the kill, and what it took since the one before."""
+    after the kill, and what it took since the one before; and, where the run recorded them, the
+    rendezvous rounds the job re-formed in (:func:`rounds_joined`: one, or two when a replacement came
+    after the survivors' round closed)."""
     data = load(name) or {}
-    runs = [(row["strategy"], i, parts) for row in data.get("rows", [])
+    runs = [(row, i, parts) for row in data.get("rows", [])
             for i, parts in enumerate(row.get("downtime_parts") or [])]
     steps = [s for s in [*[part for part, _ in AGENT_STEPS], *WORKER_STEPS, "first step recorded"]
              if any(parts.get(s) is not None for _, _, parts in runs)]   # a run without the step's mark: none
+    with_rounds = any(row.get("rounds_after_kill") for row, _, _ in runs)
     cells = []
-    for strategy, i, parts in runs:
+    for row, i, parts in runs:
         reached = sorted(((parts[s], s) for s in steps if parts.get(s) is not None))
         since = {s: t - before for (before, _), (t, s) in zip([(0.0, "")] + reached, reached)}
-        cells.append([strategy, number(i + 1),
-                      *[f"{parts[s]:.2f} s (+{since[s]:.2f})" if s in since else "-" for s in steps]])
-    return table(["strategy", "failure", *steps], cells)
+        rounds = (row.get("rounds_after_kill") or [])[i:i + 1]
+        said = ", then ".join(f"{r['world']} (hosts {', '.join(map(str, r['hosts']))}) at {r['at']:.2f} s"
+                              for r in (rounds[0] if rounds else [])) or "-"
+        cells.append([run_label(row), number(i + 1),
+                      *[f"{parts[s]:.2f} s (+{since[s]:.2f})" if s in since else "-" for s in steps],
+                      *([said] if with_rounds else [])])
+    return table(["strategy", "failure", *steps, *(["world re-formed (its hosts), when"] if with_rounds else [])],
+                 cells)
 
 
 BLOCKS = (
@@ -647,15 +773,15 @@ BLOCKS = (
           "steps, restarted by torchrun on the full world (the lost host replaced at once), in the same run; and "
           "each strategy without failures",
           partial(render_train_through_failures, "train_through_failures_vgg_fc_100mbit"),
-          rerun="flock /tmp/convoy-netns.lock python bench/train_through_failures.py --model vgg_fc --kill-every 80",
-          emulated=True),
+          rerun="flock /tmp/convoy-netns.lock python bench/train_through_failures.py --model vgg_fc --kill-every 80 "
+                "--convoy-replaced --timeline", emulated=True),
     Block("train_through_failures_downtime", "Each failure's downtime, step by step, in the 4-host run above",
           ("train_through_failures_vgg_fc_100mbit",),
           "nothing: each step's time after the kill (the latest agent or rank to reach it) and since the step "
           "before; the peer's workers mark no steps of their own",
           partial(render_downtime, "train_through_failures_vgg_fc_100mbit"),
           rerun="flock /tmp/convoy-netns.lock python bench/train_through_failures.py --model vgg_fc --kill-every 80 "
-                "--timeline", emulated=True),
+                "--convoy-replaced --timeline", emulated=True),
 )
 
 

@@ -1,5 +1,6 @@
 """The failure benchmark's bookkeeping (when hosts die, what was trained again, following a metrics file
 across restarts) and its DDP peer's DCP resume."""
+import argparse
 import datetime
 import json
 import shutil
@@ -7,10 +8,13 @@ import time
 
 import pytest
 
+from bench import figures
 from bench.peers.ddp_train import complete_checkpoints, train_ddp
 from bench.figures import load
-from bench.train_through_failures import (Failure, MetricsTail, downtime_parts, kill_schedule, steps_redone, time_to,
-                                          tuned_peer_rank)
+from bench.time_to_accuracy import PEER, STRATEGIES
+from bench.train_through_failures import (Failure, MetricsTail, downtime_parts, kill_schedule, planned_runs,
+                                          render_downtime, render_train_through_failures, rounds_joined,
+                                          steps_redone, summarize, time_to, tuned_peer_rank)
 from convoy.utils import timeline
 from tests.helpers import run_workers
 
@@ -120,3 +124,102 @@ def test_a_recovery_s_steps_are_read_from_the_agents_logs_and_the_workers_marks(
     monkeypatch.delenv(timeline.ENV)
     timeline.mark("first step")
     assert [json.loads(line)["event"] for line in marks.read_text().splitlines()] == ["exec", "imported"]
+
+
+def _args(**given) -> argparse.Namespace:
+    settings = {"no_failures_only": False, "failures_only": False, "convoy_replaced": False, "kill_every": 40,
+                "target": 0.97, "also_target": 0.95, "replace_after": 0.0}
+    return argparse.Namespace(**{**settings, **given})
+
+
+def test_convoy_replaced_adds_a_run_with_the_lost_host_replaced_for_each_convoy_strategy_only():
+    commands = {"blocktopk": STRATEGIES["blocktopk"], "peer": [PEER, "--powersgd-rank", "4"]}
+    schedule = [Failure(50, 2)]
+    names = ["blocktopk", "peer"]
+    # Without the flag: convoy goes on with its survivors, the peer's host is always replaced.
+    assert planned_runs(names, commands, schedule, _args()) == [
+        ("blocktopk", [], False), ("blocktopk", schedule, False), ("peer", [], False), ("peer", schedule, True)]
+    assert planned_runs(names, commands, schedule, _args(convoy_replaced=True)) == [
+        ("blocktopk", [], False), ("blocktopk", schedule, False), ("blocktopk", schedule, True),
+        ("peer", [], False), ("peer", schedule, True)]
+    assert planned_runs(names, commands, schedule, _args(convoy_replaced=True, failures_only=True)) == [
+        ("blocktopk", schedule, False), ("blocktopk", schedule, True), ("peer", schedule, True)]
+    # No failures, nothing to replace.
+    assert planned_runs(names, commands, schedule, _args(convoy_replaced=True, no_failures_only=True)) == [
+        ("blocktopk", [], False), ("peer", [], False)]
+
+
+def _steps(life: int, steps, start: float) -> list[dict]:
+    return [{"kind": "step", "step": s, "at": start + i, "life": life} for i, s in enumerate(steps)]
+
+
+def test_a_replaced_run_ends_on_every_host_and_a_second_restart_s_time_down_is_its_kill_s():
+    # Killed after step 9 at t=10; the survivors resume at t=20 (life 1); the replacement, late, asks for
+    # another round: life 1's last record at t=22, life 2's first at t=30.
+    records = _steps(0, range(10), 0.0) + _steps(1, range(10, 13), 20.0) + _steps(2, range(12, 20), 30.0)
+    kills = [{"step": 10, "host": 2, "at": 10.0, "life": 0, "wall": 0.0}]
+    codes = {0: 0, 1: 0, 2: 0}   # host 2: its replacement's agent
+    row = summarize("blocktopk", [Failure(10, 2)], records, kills, codes, [], 40.0, _args(), peer=False,
+                    replaced=True)
+    assert row["replaced"] and row["hosts_at_end"] == 3 and row["restarts"] == 2
+    assert row["down_per_restart_s"] == [10.0 + 8.0] and row["down_s"] == 18.0
+    assert row["redone_per_restart"] == [0, 1] and row["steps_redone"] == 1
+    # On the survivors the killed host's code is not the job's (its agent was SIGKILLed).
+    shrunk = summarize("blocktopk", [Failure(10, 2)], records[:13], kills, {0: 0, 1: 0, 2: -9}, [], 40.0, _args(),
+                       peer=False)
+    assert not shrunk["replaced"] and shrunk["hosts_at_end"] == 2 and shrunk["clean_exit"]
+    assert shrunk["down_per_restart_s"] == [10.0]
+
+
+def _agent_log(path, joins: list[tuple[float, int, int]]) -> None:
+    """An agent's log at INFO with a "Rendezvous complete" result for each (time, port, world)."""
+    lines = []
+    for t, port, world in joins:
+        stamp = datetime.datetime.fromtimestamp(t).strftime("%m%d %H:%M:%S.%f")
+        head = f"I{stamp} 7 torch/distributed/elastic/agent/server/api.py:553] "
+        lines += [head + "[default] Rendezvous complete for workers. Result:", head + "  restart_count=0",
+                  head + "  master_addr=198.18.0.1", head + f"  master_port={port}", head + "  group_rank=0",
+                  head + f"  group_world_size={world}", head]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_the_rounds_after_a_kill_say_whether_the_replacement_joined_the_survivors_round(tmp_path):
+    t0 = time.time() - 100   # the first round, before the kill
+    kill = {"wall": t0 + 50}
+    logs = [tmp_path / "agent-h0-0.log", tmp_path / "agent-h1-1.log", tmp_path / "agent-h1-2.log"]
+    # In time: the replacement (host 1's second agent) in the survivors' round.
+    _agent_log(logs[0], [(t0, 100, 2), (t0 + 56, 101, 2)])
+    _agent_log(logs[1], [(t0 + 0.1, 100, 2)])
+    _agent_log(logs[2], [(t0 + 56.5, 101, 2)])
+    assert rounds_joined([kill], logs) == [[{"world": 2, "hosts": [0, 1], "at": pytest.approx(6.5, abs=1e-3)}]]
+    # Late: host 0 alone, then a second round with the replacement.
+    _agent_log(logs[0], [(t0, 100, 2), (t0 + 56, 101, 1), (t0 + 70, 102, 2)])
+    _agent_log(logs[2], [(t0 + 70.2, 102, 2)])
+    rounds = rounds_joined([kill], logs)[0]
+    assert [(r["world"], r["hosts"]) for r in rounds] == [(1, [0]), (2, [0, 1])]
+
+
+def test_the_tables_name_the_replaced_rows_and_compare_them_with_the_same_strategy_without_failures(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(figures, "RESULTS", tmp_path)
+    calm = summarize("blocktopk", [], _steps(0, range(20), 0.0), [], {0: 0, 1: 0, 2: 0}, [], 20.0, _args(),
+                     peer=False)
+    kills = [{"step": 10, "host": 2, "at": 10.0, "life": 0, "wall": 0.0}]
+    failing = _steps(0, range(10), 0.0) + _steps(1, range(10, 20), 20.0)
+    shrunk, replaced = (summarize("blocktopk", [Failure(10, 2)], failing, kills, {0: 0, 1: 0, 2: 0}, [], 30.0,
+                                  _args(), peer=False, replaced=flag) for flag in (False, True))
+    for row, at in ((calm, 10.0), (shrunk, 20.0), (replaced, 25.0)):   # evaluations: 97% at ``at``
+        row["curve"] = [(at, 20, 0.97)]
+        row["time_to_target_s"] = at
+    replaced["downtime_parts"] = [{"agent saw the worker fail": 0.2, "first step recorded": 10.0}]
+    replaced["rounds_after_kill"] = [[{"world": 3, "hosts": [0, 1, 2], "at": 6.5}]]
+    (tmp_path / "probe.json").write_text(json.dumps({"settings": {"target": 0.97, "also_target": 0.95},
+                                                     "rows": [calm, shrunk, replaced]}))
+    lines = render_train_through_failures("probe").splitlines()
+    assert lines[2].startswith("| blocktopk | convoy, elastic | none |")
+    assert lines[3].startswith("| blocktopk | convoy, elastic, on the survivors |") and "| 2.00x |" in lines[3]
+    assert lines[4].startswith("| blocktopk (host replaced) | convoy, elastic, lost host replaced at once |")
+    assert "| 2.50x |" in lines[4] and lines[4].endswith("| 3 | yes |")
+    steps = render_downtime("probe").splitlines()
+    assert steps[0].endswith("| world re-formed (its hosts), when |")
+    assert steps[2].startswith("| blocktopk (host replaced) | 1 |") and "3 (hosts 0, 1, 2) at 6.50 s" in steps[2]
