@@ -40,7 +40,7 @@ from torch import nn
 
 from convoy import runtime
 from convoy.checkpoint.files import model_file
-from convoy.checkpoint.reshard import STAGING, cleanup, complete, reshard
+from convoy.checkpoint.reshard import STAGING, Rebuild, cleanup, complete, reshard
 from convoy.checkpoint.snapshot import model_layout
 from convoy.checkpoint.written import JobRecord, check_model_file, rank_files, recorded_job
 from convoy.errors import UsageError
@@ -249,7 +249,11 @@ def remap_ranks(r: Remap) -> Mapped:
         # Several nodes shared the directory (torchrun on several hosts): each node's writer kept a
         # model file; in a data-parallel job they are copies of one model, or this is no such job.
         _check_copies(r.directory, r.model, r.config, r.world, r.keep)
-    deal = reshard(r.directory, r.job.world, r.world, writers_of(list(range(r.world)), r.nodes))
+    optimizer_class, hyper = optimizer_spec(r.config)
+    # Rank 0 reads the model file's log to re-deal anyway: it writes the step as a full snapshot,
+    # so that no new rank has the log to apply (each would replay the same steps).
+    deal = reshard(r.directory, r.job.world, r.world, writers_of(list(range(r.world)), r.nodes),
+                   Rebuild(r.model, optimizer_class, hyper, r.new_job))
     return deal.step, deal.retrained, deal.inexact, "per-rank state re-dealt"
 
 
