@@ -128,6 +128,20 @@ def reshard(directory: Path, old_world: int, world: int, writers: list[int] | tu
     """
     complete(directory)
     deal = plan_deal(directory, old_world, world)
+    commit_deal(directory, deal, old_world, writers, rebuild)
+    return deal
+
+
+def commit_deal(directory: Path, deal: Deal, old_world: int, writers: list[int] | tuple[int, ...] = (0,),
+                rebuild: Rebuild | None = None) -> None:
+    """Stage the re-deal :func:`plan_deal` planned (and, given ``rebuild``, the model file's step as a
+    full snapshot), commit it and put it in place: the second half of :func:`reshard`, whose
+    arguments these are, for a caller that checks something between the two.
+
+    Raises:
+        UsageError: the step cannot be rebuilt; nothing is changed then.
+    """
+    world = len(deal.states)
     staging = fresh_staging(directory)
     plan: dict[str, Any] = {"from": old_world, "to": world, "step": deal.step, "writers": sorted(set(writers) - {0})}
     point = deal.model.point
@@ -142,7 +156,6 @@ def reshard(directory: Path, old_world: int, world: int, writers: list[int] | tu
     for rank, state in enumerate(deal.states):
         write_rank_file(staging / rank_file(directory, rank).name, state, rank, deal.record, {"world": world})
     commit_plan(directory, plan)
-    return deal
 
 
 def fresh_staging(directory: Path) -> Path:
