@@ -355,3 +355,19 @@ def test_a_kill_while_the_snapshot_is_written_or_moved_in_leaves_a_usable_direct
     _assert_same_model(directory / "model-rank0.ckpt", reference / "model-rank0.ckpt", 20)
     for mine, theirs in zip(_sync_state(directory, 3, 20), _sync_state(reference, 3, 20)):
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+@pytest.mark.timeout(300)
+def test_the_nodes_copies_of_a_rebuilt_model_file_are_the_new_snapshot(logged_checkpoint, tmp_path):
+    """Two nodes share the directory (writers 0 and 2): the old copy, log and all, goes aside; the new
+    node's writer gets rank 0's new file, the step as a full snapshot and no log."""
+    checkpoint, full = logged_checkpoint
+    directory = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, directory)
+    for path in sorted(directory.glob("model-rank0.ckpt*")):
+        shutil.copyfile(path, directory / path.name.replace("rank0", "rank2"))
+    reshard(directory, 4, 3, writers=[0, 2], rebuild=_rebuild(LOGGED))
+    assert sorted(p.name for p in directory.glob("model-rank*")) == ["model-rank0.ckpt", "model-rank2.ckpt"]
+    assert (directory / "model-rank2.ckpt").read_bytes() == (directory / "model-rank0.ckpt").read_bytes()
+    assert (directory / STAGING / "old" / "model-rank2.ckpt.diffB").exists()
+    _assert_same_model(directory / "model-rank2.ckpt", full / "model-rank0.ckpt", 20)
