@@ -103,7 +103,8 @@ def snapshot_model_file(part: ModelPart, path: Path, model: nn.Module, optimizer
         if meta:   # as the persister records them: the layers whose optimizer keeps non-tensor state
             metas[name] = meta
     # The hyper-parameters the last replayed step used (an exported model reports them).
-    hyper = {**part.record.extra.get("hyper", {}), **next((b.hyper for b in (updates[-1]["buckets"] if updates else [])), {})}
+    last = updates[-1]["buckets"] if updates else []
+    hyper = {**part.record.extra.get("hyper", {}), **(last[0].hyper if last else {})}
     snapshot = CommitRecord(part.record.generation + 1, part.point.step, record.epoch, record.position, [])
     return write_model_file(path, part.layout, slots, snapshot,
                             {**part.record.extra, **job, "hyper": hyper, "optimizer_meta": metas})
