@@ -7,14 +7,28 @@ velocities, PowerSGD warm start, buffers and RNG. To go on with ``M`` workers,
 them in their place, so the directory again describes one job and the usual
 resume reads it. What the deal keeps, and how exactly: :mod:`convoy.checkpoint.deal`.
 
+The model file. When the re-dealt step lies in the model file's differential
+log (a full snapshot, then the sparse updates of the steps after it), every new
+rank would restore the snapshot and apply the log. Given a :class:`Rebuild`,
+rank 0, which reads the log here anyway, does that once and stages a new model
+file holding the step as a full snapshot
+(:func:`convoy.checkpoint.relayout.snapshot_model_file`): the new ranks restore
+it with no log to apply. The old file and its logs go aside with the old rank
+files. (Writing the snapshot into the live file's other area instead would
+change the old checkpoint before the re-deal commits: a resume on the old
+world would then restore it and go on in that area's log while the older
+area's log still held the old run's steps past it, which
+:func:`convoy.checkpoint.recovery.restore_points` prefers for those steps.)
+
 Crash safety. The new files are written into ``.reshard/`` and made durable;
 writing ``.reshard/plan.json`` commits the re-deal. Then (roll-forward,
 idempotent, :func:`complete`) the model file's differential log past the
 re-dealt step is cut (those steps were taken by the old workers; the new ones
-train them again), the old rank files move to ``.reshard/old/`` and the new
-ones into the directory. A kill before the plan leaves the old files as they
-were; a kill after it is completed by the next start. ``.reshard/`` is removed
-(:func:`cleanup`) once the new world has committed a step of its own.
+train them again) or the model file replaced by the staged one, the old rank
+files move to ``.reshard/old/`` and the new ones into the directory. A kill
+before the plan leaves the old files as they were; a kill after it is
+completed by the next start. ``.reshard/`` is removed (:func:`cleanup`) once
+the new world has committed a step of its own.
 
 Example::
 
@@ -31,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from convoy.checkpoint import faults
 from convoy.checkpoint.deal import deal_states
@@ -38,9 +53,10 @@ from convoy.checkpoint.difflog import DiffLog, log_path
 from convoy.checkpoint.format import CommitRecord, FormatError, Layout
 from convoy.checkpoint.files import model_file, rank_file
 from convoy.checkpoint.recovery import scan, valid_steps
+from convoy.checkpoint.relayout import old_files, snapshot_model_file
 from convoy.checkpoint.snapshot import rank_layout
 from convoy.checkpoint.store import AREAS, Store
-from convoy.checkpoint.written import rank_files, read_job
+from convoy.checkpoint.written import ModelPart, rank_files, read_job
 from convoy.utils.atomic import sync_folder
 
 STAGING = ".reshard"
@@ -57,9 +73,26 @@ class Deal:
     retrained: int        # logged steps after ``step`` that the new world trains again
     inexact: int          # elements whose mean could not be kept bit for bit (see the module's text)
     record: CommitRecord  # rank 0's record of ``step``: generation, epoch and position
-    model_area: int       # the model file's area whose snapshot (of step ``model_base``) ``step`` extends
-    model_generation: int
-    model_base: int
+    model: ModelPart      # rank 0's model file at ``step``: the snapshot it extends, and the log records after it
+
+
+@dataclass(frozen=True)
+class Rebuild:
+    """What rank 0 needs to write the model file's state at the re-dealt step as a full snapshot
+    (see the module's text).
+
+    Args:
+        model: a model of the checkpoint's layout; its parameters are overwritten (the resume
+            that follows restores them).
+        optimizer_class: the optimizer the log's records are replayed through.
+        optimizer_kwargs: its hyper-parameters, as the new job builds it.
+        job: what the new model file's record says of the job (``world``, ``global_batch``, ``layout``).
+    """
+
+    model: nn.Module
+    optimizer_class: type
+    optimizer_kwargs: dict[str, Any]
+    job: dict[str, Any]
 
 
 # ------------------------------------------------------------------ on disk
@@ -72,31 +105,57 @@ def plan_deal(directory: Path, old_world: int, world: int) -> Deal:
     """
     job = read_job(directory, old_world, [model_file(directory, 0).name])
     dealt, inexact = deal_states(job.states, world)
-    report = job.models[model_file(directory, 0).name].point.report
-    return Deal(dealt, job.step, job.retrained, inexact, job.record, report.area, report.record.generation,
-                report.record.step)
+    return Deal(dealt, job.step, job.retrained, inexact, job.record, job.models[model_file(directory, 0).name])
 
 
-def reshard(directory: Path, old_world: int, world: int, writers: list[int] | tuple[int, ...] = (0,)) -> Deal:
+def reshard(directory: Path, old_world: int, world: int, writers: list[int] | tuple[int, ...] = (0,),
+            rebuild: Rebuild | None = None) -> Deal:
     """Re-deal the rank files of ``old_world`` workers in ``directory`` to ``world`` and put
     the new ones in place (crash-safe: see the module's text). Run by one process while the
     others wait.
 
-    ``writers``: the ranks of the new world that keep a model file here (each node's first,
-    when several nodes share the directory); each gets a copy of rank 0's.
+    Args:
+        directory: the checkpoint directory.
+        old_world: the workers that wrote it.
+        world: the workers that go on.
+        writers: the ranks of the new world that keep a model file here (each node's first,
+            when several nodes share the directory); each gets a copy of rank 0's.
+        rebuild: where the step lies in the model file's log, write the model file's state at it
+            as a full snapshot (None: the new ranks apply the log themselves).
 
     Raises:
-        UsageError: as :func:`plan_deal`; nothing is changed then.
+        UsageError: as :func:`plan_deal`, or the step cannot be rebuilt; nothing is changed then.
     """
     complete(directory)
     deal = plan_deal(directory, old_world, world)
+    commit_deal(directory, deal, old_world, writers, rebuild)
+    return deal
+
+
+def commit_deal(directory: Path, deal: Deal, old_world: int, writers: list[int] | tuple[int, ...] = (0,),
+                rebuild: Rebuild | None = None) -> None:
+    """Stage the re-deal :func:`plan_deal` planned (and, given ``rebuild``, the model file's step as a
+    full snapshot), commit it and put it in place: the second half of :func:`reshard`, whose
+    arguments these are, for a caller that checks something between the two.
+
+    Raises:
+        UsageError: the step cannot be rebuilt; nothing is changed then.
+    """
+    world = len(deal.states)
     staging = fresh_staging(directory)
+    plan: dict[str, Any] = {"from": old_world, "to": world, "step": deal.step, "writers": sorted(set(writers) - {0})}
+    point = deal.model.point
+    if rebuild is not None and point.updates:
+        name = model_file(directory, 0).name
+        put = snapshot_model_file(deal.model, staging / name, rebuild.model, rebuild.optimizer_class,
+                                  rebuild.optimizer_kwargs, deal.record, rebuild.job)
+        plan.update({"put": put, "retire": old_files(directory)})   # the other writers' copies go too
+    else:
+        plan.update({"model_area": point.report.area, "model_generation": point.report.record.generation,
+                     "model_base": point.report.record.step})
     for rank, state in enumerate(deal.states):
         write_rank_file(staging / rank_file(directory, rank).name, state, rank, deal.record, {"world": world})
-    commit_plan(directory, {"from": old_world, "to": world, "step": deal.step, "model_area": deal.model_area,
-                            "model_generation": deal.model_generation, "model_base": deal.model_base,
-                            "writers": sorted(set(writers) - {0})})
-    return deal
+    commit_plan(directory, plan)
 
 
 def fresh_staging(directory: Path) -> Path:
@@ -113,10 +172,10 @@ def commit_plan(directory: Path, plan: dict[str, Any]) -> None:
     """Commit the re-deal staged in ``.reshard/`` (its files made durable, then the plan written:
     the commit point) and put it in place (:func:`complete`).
 
-    ``plan``: ``from``, ``to`` (the worlds), ``step``; for a data-parallel re-deal the model
-    file's area, generation and base step (its log is cut past ``step``) and the ``writers``
-    that get a copy of rank 0's model file; for a re-layout ``put`` (the staged model and other
-    files to move in) and ``retire`` (the old files to move aside).
+    ``plan``: ``from``, ``to`` (the worlds), ``step``; for a data-parallel re-deal the ``writers``
+    that get a copy of rank 0's model file and either that file's area, generation and base
+    step (its log is cut past ``step``) or, as for a re-layout, ``put`` (the staged model and
+    other files to move in) and ``retire`` (the old files to move aside).
     """
     staging = directory / STAGING
     for path in (p for p in staging.iterdir() if p.is_file()):
@@ -186,6 +245,9 @@ def complete(directory: Path) -> bool:
             os.replace(path, old / path.name)
     sync_folder(old)
     faults.halfway("reshard", 1)   # a crash test's kill point: the old files out, the new ones not in
+    for name in put or []:   # before the writers' copies: a staged model file of rank 0 is what they copy
+        if (staging / name).exists():
+            os.replace(staging / name, directory / name)
     source = model_file(directory, 0)
     for writer in plan.get("writers", []):
         for path in [source, *sorted(directory.glob(source.name + ".diff*"))]:
@@ -194,9 +256,6 @@ def complete(directory: Path) -> bool:
             with open(copy, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(copy, directory / copy.name)
-    for name in put or []:
-        if (staging / name).exists():
-            os.replace(staging / name, directory / name)
     for rank in range(world):
         new = staging / rank_file(directory, rank).name
         if new.exists():

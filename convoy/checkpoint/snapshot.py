@@ -65,6 +65,13 @@ def model_layout(model: nn.Module, optimizer_class: type, optimizer_kwargs: dict
 def layer_sources(module: nn.Module, params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
                   slot: Slot) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """The live tensors of ``slot`` in layout order, and the optimizer's non-tensor state values."""
+    return slot_sources(module, params, {i: optimizer.state.get(p, {}) for i, p in enumerate(params)}, slot)
+
+
+def slot_sources(module: nn.Module, params: list[nn.Parameter], state: dict[int, dict[str, Any]],
+                 slot: Slot) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """As :func:`layer_sources`, from a layer optimizer's ``state`` by parameter position (its
+    ``state_dict()["state"]``, as :func:`convoy.checkpoint.recovery.replay_updates` returns it)."""
     named = dict(zip(_param_names(module), params))
     tensors, meta = [], {}
     for spec in slot.tensors:
@@ -73,9 +80,9 @@ def layer_sources(module: nn.Module, params: list[nn.Parameter], optimizer: torc
             tensors.append(named[rest].detach())
         else:
             index, key = rest.split(".", 1)
-            tensors.append(optimizer.state[params[int(index)]][key])
-    for i, p in enumerate(params):
-        for key, value in optimizer.state.get(p, {}).items():
+            tensors.append(state[int(index)][key])
+    for i in range(len(params)):
+        for key, value in state.get(i, {}).items():
             if not isinstance(value, torch.Tensor):
                 meta[f"{i}.{key}"] = value
     return tensors, meta

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -40,7 +41,7 @@ from torch import nn
 
 from convoy import runtime
 from convoy.checkpoint.files import model_file
-from convoy.checkpoint.reshard import STAGING, cleanup, complete, reshard
+from convoy.checkpoint.reshard import STAGING, Rebuild, cleanup, commit_deal, complete, plan_deal
 from convoy.checkpoint.snapshot import model_layout
 from convoy.checkpoint.written import JobRecord, check_model_file, rank_files, recorded_job
 from convoy.errors import UsageError
@@ -244,12 +245,25 @@ def _kind(config: TrainConfig) -> tuple[str, str]:
 
 def remap_ranks(r: Remap) -> Mapped:
     """A data-parallel all-reduce job's checkpoint: every rank file re-dealt."""
+    # The model check below builds this process's first optimizer, which imports torch._dynamo (a
+    # second or more on a slow host): a thread imports it while the old files are read (reads only,
+    # no imports: the main thread takes no import lock the thread could hold).
+    warm = threading.Thread(target=_warm_up_optimizer, args=(r.config,), name="convoy-warm-up", daemon=True)
+    warm.start()
+    try:
+        deal = plan_deal(r.directory, r.job.world, r.world)
+    finally:
+        warm.join()
     _check_model(r.directory, r.model, r.config)
     if r.job.model_files > 1:
         # Several nodes shared the directory (torchrun on several hosts): each node's writer kept a
         # model file; in a data-parallel job they are copies of one model, or this is no such job.
         _check_copies(r.directory, r.model, r.config, r.world, r.keep)
-    deal = reshard(r.directory, r.job.world, r.world, writers_of(list(range(r.world)), r.nodes))
+    optimizer_class, hyper = optimizer_spec(r.config)
+    # Rank 0 reads the model file's log to re-deal anyway: it writes the step as a full snapshot,
+    # so that no new rank has the log to apply (each would replay the same steps).
+    commit_deal(r.directory, deal, r.job.world, writers_of(list(range(r.world)), r.nodes),
+                Rebuild(r.model, optimizer_class, hyper, r.new_job))
     return deal.step, deal.retrained, deal.inexact, "per-rank state re-dealt"
 
 

@@ -11,19 +11,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from convoy.checkpoint.recovery import rank_file_tensors, scan
+from convoy.checkpoint.recovery import rank_file_tensors, restore_points, scan
 from convoy.checkpoint.deal import _BLOCK, deal_mean, deal_states
-from convoy.checkpoint.reshard import STAGING, complete, reshard
+from convoy.checkpoint.reshard import STAGING, Rebuild, complete, reshard
 from convoy.checkpoint.written import rank_files, recorded_job
 from convoy.checkpoint.store import Store
+from convoy.cli.main import build_parser
+from convoy.cli.train import config_from_args
 from convoy.errors import UsageError
-from tests.checkpoint.elastic_helpers import assert_mean_kept, fingerprint
-from tests.helpers import convoy_in_process, one_line_error, saved_model
+from convoy.train.elastic import job_record
+from convoy.train.optim import optimizer_spec
+from tests.checkpoint.elastic_helpers import assert_mean_kept, fingerprint, model_at
+from tests.helpers import convoy_in_process, one_line_error, saved_model, seeded_model
 
 # A constant learning rate: a cosine schedule over a shorter first run would differ from the whole run's.
 LENET = ("--model", "lenet", "--batch-size", "12", "--seed", "6", "--no-progress", "--eval-every", "0",
          "--lr-schedule", "constant")
 SPARSE = (*LENET, "--compress", "blocktopk", "--block-fraction", "0.05", "--checkpoint-full-every", "1")
+# A full snapshot after the first step, then the log: a step between is reached by replaying records.
+# Adam: the replayed optimizer has state (momentum correction would leave SGD without any).
+LOGGED = (*LENET, "--compress", "blocktopk", "--block-fraction", "0.05", "--optimizer", "adam",
+          "--checkpoint-full-every", "50")
 
 
 def _train(nproc: int, steps: int, out: Path, checkpoints: Path | None, *job: str):
@@ -187,26 +195,35 @@ def test_a_resume_that_cannot_be_mapped_is_refused_in_one_line_and_changes_nothi
     assert fingerprint(directory) == before
 
 
-def _start_on_three(directory: Path) -> None:
+def _rebuild(job: tuple[str, ...]) -> Rebuild:
+    """What ``convoy train --nproc 3`` of ``job`` gives the re-deal to write the step as a full snapshot
+    (convoy.train.elastic.remap_ranks)."""
+    config = config_from_args(build_parser().parse_args(["train", *job]))
+    optimizer_class, hyper = optimizer_spec(config)
+    return Rebuild(seeded_model("lenet"), optimizer_class, hyper, job_record(config, 3, 48))
+
+
+def _start_on_three(directory: Path, job: tuple[str, ...] | None = None) -> None:
     """What a start on 3 workers does to the directory (convoy.train.elastic): finish a committed
-    re-deal, else re-deal."""
+    re-deal, else re-deal (``job``: the model file's step written as a full snapshot, as ``convoy
+    train`` of that job does; None: left in the log)."""
     complete(directory)
-    job = recorded_job(directory)
-    if job.world != 3:
-        reshard(directory, job.world, 3)
+    found = recorded_job(directory)
+    if found.world != 3:
+        reshard(directory, found.world, 3, rebuild=None if job is None else _rebuild(job))
 
 
 _START_ON_THREE = ("import sys; from pathlib import Path; from tests.checkpoint.test_reshard import _start_on_three; "
-                   "_start_on_three(Path(sys.argv[1]))")
+                   "_start_on_three(Path(sys.argv[1]), tuple(sys.argv[2:]) or None)")
 
 
-def _killed_start_on_three(directory: Path, kill: str) -> int:
+def _killed_start_on_three(directory: Path, kill: str, job: tuple[str, ...] = ()) -> int:
     """:func:`_start_on_three` in a fresh interpreter that the kill point ``kill`` SIGKILLs (a fork of
     this process could inherit a lock some thread of torch's holds); its return code."""
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
            "CONVOY_CHECKPOINT_KILL": kill}
-    return subprocess.run([sys.executable, "-c", _START_ON_THREE, str(directory)], env=env, cwd=root,
+    return subprocess.run([sys.executable, "-c", _START_ON_THREE, str(directory), *job], env=env, cwd=root,
                           timeout=240).returncode
 
 
@@ -250,3 +267,107 @@ def test_the_nodes_copies_of_the_model_file_follow_the_new_world(sparse_checkpoi
     for name in models:
         copy = directory / name.replace("rank0", "rank2")
         assert copy.read_bytes() == (directory / name).read_bytes(), name
+
+
+# ------------------------------------------------------------------ a step inside the model file's log
+@pytest.fixture(scope="module")
+def logged_checkpoint(tmp_path_factory):
+    """A 4-worker job at step 20, its model file a full snapshot of step 1 and the log of 19 steps after
+    it; and the same job checkpointed with a full snapshot at every step (the reference)."""
+    tmp = tmp_path_factory.mktemp("logged")
+    _train(4, 20, tmp / "run", tmp / "ckpt", *LOGGED)
+    full = [*LOGGED[:-1], "1"]
+    _train(4, 20, tmp / "full-run", tmp / "full", *full)
+    return tmp / "ckpt", tmp / "full"
+
+
+def _snapshot_of(path: Path) -> tuple[int, int]:
+    """The newest step ``path`` can restore, and the step of the full snapshot that step extends."""
+    store = Store.open(path)
+    try:
+        points = restore_points(path, scan(store))
+    finally:
+        store.close()
+    return max(points), points[max(points)].report.record.step
+
+
+def _assert_same_model(path: Path, reference: Path, step: int) -> None:
+    """The parameters and optimizer state of ``path``'s full snapshot of ``step`` are ``reference``'s, bit for bit."""
+    params, states, _ = model_at(path, step)
+    want_params, want_states, _ = model_at(reference, step)
+    assert params.keys() == want_params.keys() and all(torch.equal(params[k], want_params[k]) for k in params)
+    assert states.keys() == want_states.keys()
+    for layer, state in states.items():
+        assert state.keys() == want_states[layer].keys(), layer
+        for index, values in state.items():
+            want = want_states[layer][index]
+            assert values.keys() == want.keys() and values.keys(), (layer, index)
+            assert all(torch.equal(values[k], want[k]) if isinstance(want[k], torch.Tensor) else values[k] == want[k]
+                       for k in want), (layer, index)
+
+
+@pytest.mark.timeout(600)
+def test_a_re_deal_inside_the_log_writes_the_step_as_the_snapshot_the_uninterrupted_run_took(logged_checkpoint,
+                                                                                                tmp_path):
+    checkpoint, full = logged_checkpoint
+    assert _snapshot_of(checkpoint / "model-rank0.ckpt") == (20, 1)   # step 20 lies in the log
+    directory = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, directory)
+    done = _train(3, 20, tmp_path / "run", directory, *LOGGED)
+    assert "per-rank state re-dealt at step 20" in done.stderr, done.stderr
+    # Every new rank restored a full snapshot: no log applied.
+    assert "resumed from" in done.stderr and "at step 20 (epoch 0, batch 20)" in done.stderr, done.stderr
+    assert "differential steps replayed" not in done.stderr, done.stderr
+    path = directory / "model-rank0.ckpt"
+    assert _snapshot_of(path) == (20, 20) and not any(directory.glob("model-rank0.ckpt.diff*"))
+    # What the re-deal wrote is what the run that took a full snapshot at step 20 holds, bit for bit.
+    _assert_same_model(path, full / "model-rank0.ckpt", 20)
+    assert recorded_job(directory).world == 3
+    # And it goes on: a step on 3 workers, then back on 4.
+    done = _train(3, 21, tmp_path / "run2", directory, *LOGGED)
+    assert "at step 20" in done.stderr and "written by" not in done.stderr
+    done = _train(4, 22, tmp_path / "run3", directory, *LOGGED)
+    assert "written by 3 workers; resuming on 4" in done.stderr and "at step 21" in done.stderr
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kill", ["slot:{generation}:1", "record:{generation}", "reshard:0", "reshard:1"])
+def test_a_kill_while_the_snapshot_is_written_or_moved_in_leaves_a_usable_directory(logged_checkpoint, tmp_path,
+                                                                                       kill):
+    checkpoint, _ = logged_checkpoint
+    reference, directory = tmp_path / "reference", tmp_path / "ckpt"
+    shutil.copytree(checkpoint, reference)
+    shutil.copytree(checkpoint, directory)
+    _start_on_three(reference, LOGGED)
+    store = Store.open(checkpoint / "model-rank0.ckpt")
+    try:   # the new snapshot is the generation after the one step 20 extends (the newest)
+        generation = max(r.record.generation for r in scan(store) if r.valid) + 1
+    finally:
+        store.close()
+    assert _killed_start_on_three(directory, kill.format(generation=generation), LOGGED) == -signal.SIGKILL
+    if kill.startswith(("slot", "record")):
+        # Killed before the re-deal committed: the old job's files are untouched, for 4 workers to go on.
+        assert {k: v for k, v in fingerprint(directory).items() if not k.startswith(STAGING)} == \
+            fingerprint(checkpoint)
+    # Whatever the kill left, the next start finishes or redoes the re-deal: the same state as without it.
+    _start_on_three(directory, LOGGED)
+    assert sorted(rank_files(directory)) == [0, 1, 2]
+    _assert_same_model(directory / "model-rank0.ckpt", reference / "model-rank0.ckpt", 20)
+    for mine, theirs in zip(_sync_state(directory, 3, 20), _sync_state(reference, 3, 20)):
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+@pytest.mark.timeout(300)
+def test_the_nodes_copies_of_a_rebuilt_model_file_are_the_new_snapshot(logged_checkpoint, tmp_path):
+    """Two nodes share the directory (writers 0 and 2): the old copy, log and all, goes aside; the new
+    node's writer gets rank 0's new file, the step as a full snapshot and no log."""
+    checkpoint, full = logged_checkpoint
+    directory = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, directory)
+    for path in sorted(directory.glob("model-rank0.ckpt*")):
+        shutil.copyfile(path, directory / path.name.replace("rank0", "rank2"))
+    reshard(directory, 4, 3, writers=[0, 2], rebuild=_rebuild(LOGGED))
+    assert sorted(p.name for p in directory.glob("model-rank*")) == ["model-rank0.ckpt", "model-rank2.ckpt"]
+    assert (directory / "model-rank2.ckpt").read_bytes() == (directory / "model-rank0.ckpt").read_bytes()
+    assert (directory / STAGING / "old" / "model-rank2.ckpt.diffB").exists()
+    _assert_same_model(directory / "model-rank2.ckpt", full / "model-rank0.ckpt", 20)
