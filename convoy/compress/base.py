@@ -254,11 +254,11 @@ class Memory(ABC):
         in_place = compressor.residual_in_place and self._spares.owns(compensated)
         if out is None:
             out = compensated if in_place else self._spares.take(key, compensated)
-        residual = compressor.unsent(compensated, payload, ctx, out)
+        compressor.unsent(compensated, payload, ctx, out)
         if out is not compensated:
             # Read by nothing after the residual (the compressor says so): reuse it; else let it go.
             (self._spares.release(key, compensated) if in_place else self._spares.drop(compensated))
-        return residual
+        return out   # the buffer itself, not a view of it: replacing it later releases it
 
     def placed(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
         """Where :meth:`place_in`'s function puts the new tensor of ``key``; None: a new tensor."""
