@@ -312,3 +312,21 @@ def test_error_feedback_reuses_its_buffers_but_never_writes_into_a_snapshot(make
     for snapshot, copy in zip(snapshots, copies):
         assert all(torch.equal(snapshot[k], copy[k]) for k in copy)
     assert all(torch.equal(unlent[-1][k], snapshots[-1][k]) for k in copies[-1])
+
+
+def _three_rank_worker(rank: int, world: int) -> list[torch.Tensor]:
+    """Six steps of PowerSGD with momentum correction through the engine, each rank on its own batches."""
+    model = small_mlp()
+    memory = MomentumCorrection(0.9, clip_norm=1.0, world_size=world, weight_decay=5e-4, masking=False)
+    engine = Engine(model, torch.optim.SGD, AllReduce(dist.new_group(), PowerSGDCompressor(2), memory), lr=0.1)
+    train_steps(model, engine, 6, seed=10 + rank)
+    engine.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(120)
+def test_three_ranks_end_with_bit_identical_parameters():
+    """A world that is not a power of two: the mean is taken in Q (Q / 3 rounds), alike on every rank."""
+    results = run_workers(_three_rank_worker, 3)
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r))
+    assert not all(torch.equal(a, b) for a, b in zip(results[0], small_mlp().parameters()))   # it trained
