@@ -364,7 +364,10 @@ def main() -> None:
 # The --tag of each --profile run, on the commit of each change, and what that change did.
 POWERSGD_CHANGES = (("before", "before"), ("c1", "+ average in the gradient buffer"), ("c2", "+ residual in one pass"),
                     ("c3", "+ thin factor on the left"), ("c4", "+ parameters read in place"),
-                    ("c5", "+ column scales on scalars"), ("c6", "+ P left in flight"))
+                    ("c5", "+ column scales on scalars"), ("c6", "+ P left in flight"),
+                    # c6_again: the c6 commit re-measured in the same session as c7, interleaved (A/B).
+                    ("c6_again", "c6 again, same session as c7"),
+                    ("c7", "+ buffers reused, mean in Q"))
 
 
 def render_powersgd_step() -> str:

@@ -8,6 +8,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from convoy.compress.buffers import Spares
+
 Payload = list[torch.Tensor]
 # ``place(key, like)``: where an error-feedback memory's new tensor of ``key`` goes (:meth:`Memory.place_in`).
 Place = Callable[[str, torch.Tensor], "torch.Tensor | None"]
@@ -85,6 +87,11 @@ class Compressor(ABC):
     # start from a summed payload): the error-feedback memory's update then depends on this
     # rank's gradient alone, so a resume can rebuild it by replaying the steps locally.
     local: bool = False
+    # Whether :meth:`unsent` may write the residual over ``compensated`` itself (``out`` is
+    # ``compensated``): the payload is a copy, and nothing after the residual (the exchange, the
+    # decompression of the sum) reads ``compensated``'s values. The memory then keeps the
+    # compensated buffer as the residual instead of writing a second gradient-sized tensor.
+    residual_in_place: bool = False
 
     @abstractmethod
     def compress(self, tensor: torch.Tensor, name: str,
@@ -118,14 +125,21 @@ class Compressor(ABC):
             self.decompress_add(payload, ctx, total)
         return total, None
 
-    def decompress_sum_into(self, payloads: list[Payload], ctx: Any,
-                            out: torch.Tensor) -> tuple[torch.Tensor, Support | None]:
-        """:meth:`decompress_sum`, built in ``out`` where the compressor would otherwise make a new
-        tensor. ``out`` has the sum's size and type and the caller no longer needs it (the exchanged
-        gradient), so building the sum there spares an allocation and the caller's copy into its
-        buffer (PowerSGD). The default ignores it; what is returned is the sum either way.
+    def decompress_mean_into(self, payloads: list[Payload], ctx: Any, out: torch.Tensor,
+                             count: int) -> tuple[torch.Tensor, Support | None]:
+        """:meth:`decompress_sum` divided by ``count`` (the ranks summed), built in ``out`` where the
+        compressor would otherwise make a new tensor. ``out`` has the sum's size and type and the
+        caller no longer needs it (the exchanged gradient), so building the mean there spares an
+        allocation and the caller's copy into its buffer, and a compressor may fold the division
+        into a smaller tensor than the mean (PowerSGD divides its thin factor). The default
+        ignores ``out`` and divides the sum in place; what is returned is the mean either way.
+
+        Example::
+
+            >>> mean, support = compressor.decompress_mean_into([summed], ctx, grad, world_size)
         """
-        return self.decompress_sum(payloads, ctx)
+        total, support = self.decompress_sum(payloads, ctx)
+        return total.div_(count), support
 
     def unsent(self, compensated: torch.Tensor, payload: Payload, ctx: Any,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,6 +203,10 @@ class Memory(ABC):
     # Where new tensors go (:meth:`place_in`); None: new tensors.
     _place: Place | None = None
 
+    def __init__(self) -> None:
+        # Buffers of replaced tensors, reused unless a snapshot was handed them (:meth:`state_tensors`).
+        self._spares = Spares()
+
     def place_in(self, place: Place | None) -> None:
         """Build the new tensors of :meth:`state_tensors` where ``place`` says from now on.
 
@@ -228,17 +246,48 @@ class Memory(ABC):
 
     def unsent_residual(self, compensated: torch.Tensor, name: str, compressor: Compressor, payload: Payload,
                         ctx: Any) -> torch.Tensor:
-        """The new residual ``compensated - sent`` of ``payload``, where :meth:`place_in`'s function puts it."""
-        return compressor.unsent(compensated, payload, ctx, self.placed(f"residual.{name}", compensated))
+        """The new residual ``compensated - sent`` of ``payload``, where :meth:`place_in`'s function puts
+        it; else over ``compensated`` itself when the compressor allows it and ``compensated`` is one of
+        this memory's buffers (:meth:`compensated_buffer`), else in a buffer of its own."""
+        key = f"residual.{name}"
+        out = self.placed(key, compensated)
+        in_place = compressor.residual_in_place and self._spares.owns(compensated)
+        if out is None:
+            out = compensated if in_place else self._spares.take(key, compensated)
+        compressor.unsent(compensated, payload, ctx, out)
+        if out is not compensated:
+            # Read by nothing after the residual (the compressor says so): reuse it; else let it go.
+            (self._spares.release(key, compensated) if in_place else self._spares.drop(compensated))
+        return out   # the buffer itself, not a view of it: replacing it later releases it
 
     def placed(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
         """Where :meth:`place_in`'s function puts the new tensor of ``key``; None: a new tensor."""
         return None if self._place is None else self._place(key, like)
 
+    def new_tensor(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """Where the new tensor of ``key`` (``kind.name``, a kind of :meth:`kept`) goes: where
+        :meth:`place_in`'s function puts it, else a buffer this memory made and no longer uses."""
+        out = self.placed(key, like)
+        return self._spares.take(key, like) if out is None else out
+
+    def compensated_buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A buffer for layer ``name``'s compensated gradient; it may become the residual
+        (:meth:`unsent_residual`)."""
+        return self._spares.take(f"residual.{name}", like)
+
+    def replace(self, kind: str, name: str, new: torch.Tensor) -> None:
+        """Keep ``new`` as ``name``'s tensor of ``kind``; the one it replaces is reused unless lent."""
+        kept = self.kept()[kind]
+        old = kept.get(name)
+        kept[name] = new
+        if old is not None and old is not new:
+            self._spares.release(f"{kind}.{name}", old)
+
     def new_residual(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> torch.Tensor:
-        """``compensated - sent``, where :meth:`place_in`'s function puts it."""
-        out = self.placed(f"residual.{name}", compensated)
-        return compensated - sent if out is None else torch.sub(compensated, sent, out=out)
+        """``compensated - sent``, where :meth:`new_tensor` puts it."""
+        residual = torch.sub(compensated, sent, out=self.new_tensor(f"residual.{name}", compensated))
+        self._spares.drop(compensated)   # a sparse payload may still read it
+        return residual
 
     def forget(self, name: str) -> None:
         """Drop what is kept for ``name`` (its layout changed, e.g. DDP rebuilt its buckets)."""
@@ -248,12 +297,16 @@ class Memory(ABC):
         return {}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """:meth:`kept` as ``kind.name`` keys: what a bit-identical resume needs."""
-        return {f"{kind}.{name}": t for kind, tensors in self.kept().items() for name, t in tensors.items()}
+        """:meth:`kept` as ``kind.name`` keys: what a bit-identical resume needs. A caller may keep
+        references to them as a snapshot: they are never written into again."""
+        state = {f"{kind}.{name}": t for kind, tensors in self.kept().items() for name, t in tensors.items()}
+        self._spares.lend(state.values())
+        return state
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take back this memory's keys of what :meth:`state_tensors` returned; ignore the others."""
         kept = self.kept()
+        self._spares.clear()
         for key, tensor in tensors.items():
             kind, name = key.split(".", 1)
             if kind in kept:
@@ -285,22 +338,24 @@ class ResidualMemory(Memory):
     replaced_each_step = ("residual",)
 
     def __init__(self) -> None:
+        super().__init__()
         self.residuals: dict[str, torch.Tensor] = {}
 
     def compensate(self, tensor: torch.Tensor, name: str,
                    params: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         residual = self.residuals.get(name)
-        return tensor if residual is None else tensor + residual
+        return tensor if residual is None else torch.add(tensor, residual, out=self.compensated_buffer(name, tensor))
 
     def update(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> None:
-        self.residuals[name] = self.new_residual(compensated, name, sent)
+        self.replace("residual", name, self.new_residual(compensated, name, sent))
 
     def keep_unsent(self, compensated: torch.Tensor, name: str, compressor: Compressor, payload: Payload,
                     ctx: Any) -> None:
-        self.residuals[name] = self.unsent_residual(compensated, name, compressor, payload, ctx)
+        self.replace("residual", name, self.unsent_residual(compensated, name, compressor, payload, ctx))
 
     def forget(self, name: str) -> None:
         self.residuals.pop(name, None)
+        self._spares.forget(name)
 
     def kept(self) -> dict[str, dict[str, torch.Tensor]]:
         return {"residual": self.residuals}

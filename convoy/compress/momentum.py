@@ -58,8 +58,8 @@ class MomentumCorrection(Memory):
         >>> memory.update(compensated, "3", sent)
     """
 
-    # Both are new tensors every step (the velocity's decay is out of place, with the same
-    # rounding as in place): a checkpoint keeps a reference instead of copying them.
+    # Both are new tensors every step (written into buffers no snapshot holds, Memory.new_tensor):
+    # a checkpoint keeps a reference instead of copying them.
     replaced_each_step = ("residual", "velocity")
 
     def __init__(self, momentum: float, clip_norm: float | None = None, world_size: int = 1,
@@ -68,6 +68,7 @@ class MomentumCorrection(Memory):
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
+        super().__init__()
         self.momentum, self.weight_decay, self.masking = momentum, weight_decay, masking
         self.needs_params = weight_decay != 0.0
         self.local_clip = None if clip_norm is None else clip_norm / math.sqrt(world_size)
@@ -76,19 +77,21 @@ class MomentumCorrection(Memory):
 
     def compensate(self, tensor: torch.Tensor, name: str,
                    params: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        gradient = self._clipped(tensor)
-        if self.weight_decay and params is not None:
-            gradient = self._decayed(gradient, params)
-        velocity = self.velocities.get(name)
-        if velocity is None:
-            velocity = gradient.clone()
+        # Every tensor here is one the memory reuses (no fresh gradient-sized allocation, whose page
+        # faults cost as much as a pass), and the arithmetic is momentum SGD's own, rounding for
+        # rounding: ``u = (m * u) + (clip * g + wd * w)``. The clipped, decayed gradient is built in
+        # the compensated buffer, which is then overwritten with ``residual + u``; ``tensor`` is only read.
+        compensated = self.compensated_buffer(name, tensor)
+        gradient = self._decayed(self._clipped(tensor, compensated), params, compensated)
+        previous = self.velocities.get(name)
+        velocity = self.new_tensor(f"velocity.{name}", tensor)
+        if previous is None:
+            velocity.copy_(gradient)
         else:
-            out = self.placed(f"velocity.{name}", velocity)
-            decayed = velocity.mul(self.momentum) if out is None else torch.mul(velocity, self.momentum, out=out)
-            velocity = decayed.add_(gradient)
-        self.velocities[name] = velocity
+            torch.mul(previous, self.momentum, out=velocity).add_(gradient)
+        self.replace("velocity", name, velocity)
         residual = self.residuals.get(name)
-        return velocity.clone() if residual is None else residual + velocity
+        return compensated.copy_(velocity) if residual is None else torch.add(residual, velocity, out=compensated)
 
     def update(self, compensated: torch.Tensor, name: str, sent: torch.Tensor) -> None:
         delayed = self.residuals.get(name)
@@ -97,39 +100,45 @@ class MomentumCorrection(Memory):
             # stale momentum, and keeping its velocity makes density 1.0 exactly
             # momentum SGD.
             self.velocities[name].masked_fill_((sent != 0) & (delayed != 0), 0.0)
-        self.residuals[name] = self.new_residual(compensated, name, sent)
+        self.replace("residual", name, self.new_residual(compensated, name, sent))
 
     def keep_unsent(self, compensated: torch.Tensor, name: str, compressor: Compressor, payload: Payload,
                     ctx: Any) -> None:
         if self.masking:   # the mask needs what was sent, value by value
             super().keep_unsent(compensated, name, compressor, payload, ctx)
         else:
-            self.residuals[name] = self.unsent_residual(compensated, name, compressor, payload, ctx)
+            self.replace("residual", name, self.unsent_residual(compensated, name, compressor, payload, ctx))
 
     def forget(self, name: str) -> None:
         self.residuals.pop(name, None)
         self.velocities.pop(name, None)
+        self._spares.forget(name)
 
     def kept(self) -> dict[str, dict[str, torch.Tensor]]:
         return {"residual": self.residuals, "velocity": self.velocities}
 
-    def _decayed(self, gradient: torch.Tensor, params: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
-        """``gradient + weight_decay * params``, as torch's SGD adds it; parameters given one by one are
-        read in place, each into its range of the result (the same element-wise sums)."""
+    def _decayed(self, gradient: torch.Tensor, params: torch.Tensor | Sequence[torch.Tensor] | None,
+                 out: torch.Tensor) -> torch.Tensor:
+        """``gradient + weight_decay * params`` written into ``out`` (``gradient`` may be ``out``), as
+        torch's SGD adds it; ``gradient`` itself without weight decay. Parameters given one by one are
+        read in place, each into its range of ``out`` (the same element-wise sums)."""
+        if not self.weight_decay or params is None:
+            return gradient
         if isinstance(params, torch.Tensor):
-            return gradient.add(params, alpha=self.weight_decay)
+            return torch.add(gradient, params.reshape(gradient.shape), alpha=self.weight_decay, out=out)
         total = sum(p.numel() for p in params)
         if total != gradient.numel():
             raise ValueError(f"the parameters hold {total} values, the gradient {gradient.numel()}")
-        out, offset = torch.empty_like(gradient), 0
+        flat, into, offset = gradient.reshape(-1), out.view(-1), 0
         for p in params:
             end = offset + p.numel()
-            torch.add(gradient[offset:end], p.reshape(-1), alpha=self.weight_decay, out=out[offset:end])
+            torch.add(flat[offset:end], p.reshape(-1), alpha=self.weight_decay, out=into[offset:end])
             offset = end
         return out
 
-    def _clipped(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _clipped(self, tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``tensor`` clipped to the local norm: scaled into ``out`` when it is longer, else itself."""
         if self.local_clip is None:
             return tensor
         norm = float(torch.linalg.vector_norm(tensor))
-        return tensor * (self.local_clip / norm) if norm > self.local_clip else tensor
+        return torch.mul(tensor, self.local_clip / norm, out=out) if norm > self.local_clip else tensor

@@ -162,6 +162,10 @@ class PowerSGDCompressor(Compressor):
 
     summable = True
     keeps_sum = True
+    # The payloads are new tensors (torch.cat, clone) and the decompression reads only the
+    # factors, so the residual may be written over the compensated gradient (unsent's addmm
+    # then reads each value before it writes it: the same bits as into another tensor).
+    residual_in_place = True
 
     def __init__(self, rank: int = DEFAULT_RANK, min_compression: float = 2.0, seed: int = 0):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -240,17 +244,22 @@ class PowerSGDCompressor(Compressor):
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         return self._decompress(payload, ctx, None)
 
-    def decompress_sum_into(self, payloads: list[Payload], ctx: Any,
-                            out: torch.Tensor) -> tuple[torch.Tensor, Support | None]:
+    def decompress_mean_into(self, payloads: list[Payload], ctx: Any, out: torch.Tensor,
+                             count: int) -> tuple[torch.Tensor, Support | None]:
         if len(payloads) != 1:   # summable: an exchange sums the payloads, it never hands over several
-            return self.decompress_sum(payloads, ctx)
-        return self._decompress(payloads[0], ctx, out), None
+            return super().decompress_mean_into(payloads, ctx, out, count)
+        return self._decompress(payloads[0], ctx, out, count), None
 
-    def _decompress(self, payload: Payload, ctx: Any, out: torch.Tensor | None) -> torch.Tensor:
+    def _decompress(self, payload: Payload, ctx: Any, out: torch.Tensor | None, count: int = 1) -> torch.Tensor:
         # 5. The update is P^ Q^T per factored parameter; keep Q as the next warm start
         # (a remote payload is one worker's Q_i: the workers keep their sum, keep_sum).
         # Every value of ``out`` is written; nothing here reads ctx.flat, which ``out`` may be.
-        wire = payload[0]
+        # A mean (``count`` > 1) divides the summed wire, Q and the dense values, before the
+        # product: P^ (Q / count)^T is written once, with no pass dividing the product (for a
+        # power-of-two count the same bits as dividing the product; otherwise Q / count is rounded
+        # before the product instead of the product after it).
+        summed = payload[0]
+        wire = summed if count == 1 else summed / count
         if out is None:
             out = torch.empty(ctx.flat.numel(), dtype=ctx.flat.dtype, device=ctx.flat.device)
         elif out.shape != (ctx.flat.numel(),) or out.dtype != ctx.flat.dtype:
@@ -267,7 +276,7 @@ class PowerSGDCompressor(Compressor):
                 target.copy_(wire[position:position + segment.numel])
                 position += segment.numel
         if not ctx.remote:
-            self.keep_sum(payload, ctx)
+            self.keep_sum(payload, ctx)   # the sum, not the mean: the warm start is Q itself
         return out
 
     def unsent(self, compensated: torch.Tensor, payload: Payload, ctx: Any,

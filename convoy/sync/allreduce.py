@@ -244,9 +244,10 @@ class AllReduce(SyncStrategy):
         self._count(moved, moved)
 
         def finish() -> tuple[torch.Tensor, Support | None]:
-            total, support = (compressor.decompress_sum([[wire]], ctx) if out is None
-                              else compressor.decompress_sum_into([[wire]], ctx, out))
-            return total.div_(self.world_size), support
+            if out is None:
+                total, support = compressor.decompress_sum([[wire]], ctx)
+                return total.div_(self.world_size), support
+            return compressor.decompress_mean_into([[wire]], ctx, out, self.world_size)
 
         return _PendingAllReduce(sent, finish)
 

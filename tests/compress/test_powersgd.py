@@ -278,3 +278,55 @@ def test_powersgd_with_sgd_momentum_trains_with_momentum_correction_by_default()
     assert optimizer_spec(corrected)[1] == {"lr": 0.05, "momentum": 0.0, "weight_decay": 0.0}
     plain = TrainConfig.from_flat(compress="powersgd", lr=0.05, momentum_correction=False)
     assert optimizer_spec(plain)[1]["momentum"] == 0.9
+
+
+def _steps(memory, compressor: PowerSGDCompressor, gradients: list[torch.Tensor], info: LayerInfo,
+           snapshot_every_step: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Error feedback over ``gradients`` in a world of one; each step's kept tensors, by reference."""
+    kept = []
+    for gradient in gradients:
+        compensated = memory.compensate(gradient, "0")
+        payload, ctx = compressor.compress(compensated, "0", info)
+        while compressor.more_rounds(ctx):
+            payload, ctx = compressor.next_round(payload, ctx)
+        memory.keep_unsent(compensated, "0", compressor, payload, ctx)
+        kept.append(memory.state_tensors() if snapshot_every_step else dict(
+            (f"{kind}.{name}", t) for kind, tensors in memory.kept().items() for name, t in tensors.items()))
+    return kept
+
+
+@pytest.mark.parametrize("make_memory", [lambda: MomentumCorrection(0.9, masking=False), ResidualMemory])
+def test_error_feedback_reuses_its_buffers_but_never_writes_into_a_snapshot(make_memory):
+    info = LayerInfo(shapes=(torch.Size([24, 13]),))
+    gradients = [torch.randn(24 * 13, generator=torch.Generator().manual_seed(i)) for i in range(12)]
+    reused, lent = make_memory(), make_memory()
+    unlent = _steps(reused, PowerSGDCompressor(2), gradients, info)
+    # Two buffers per kind (the kept one and the one it replaced): nothing new after the first steps.
+    addresses = {t.data_ptr() for step in unlent[2:] for t in step.values()}
+    assert len(addresses) == 2 * len(unlent[-1])
+    # Handing the state out each step (a checkpoint keeps references) gives the same values, and a
+    # snapshot handed out is never written into by the steps after it.
+    snapshots = _steps(lent, PowerSGDCompressor(2), gradients, info, snapshot_every_step=True)
+    copies = [{k: t.clone() for k, t in s.items()} for s in snapshots]
+    _steps(lent, PowerSGDCompressor(2), gradients[:3], info)
+    for snapshot, copy in zip(snapshots, copies):
+        assert all(torch.equal(snapshot[k], copy[k]) for k in copy)
+    assert all(torch.equal(unlent[-1][k], snapshots[-1][k]) for k in copies[-1])
+
+
+def _three_rank_worker(rank: int, world: int) -> list[torch.Tensor]:
+    """Six steps of PowerSGD with momentum correction through the engine, each rank on its own batches."""
+    model = small_mlp()
+    memory = MomentumCorrection(0.9, clip_norm=1.0, world_size=world, weight_decay=5e-4, masking=False)
+    engine = Engine(model, torch.optim.SGD, AllReduce(dist.new_group(), PowerSGDCompressor(2), memory), lr=0.1)
+    train_steps(model, engine, 6, seed=10 + rank)
+    engine.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(120)
+def test_three_ranks_end_with_bit_identical_parameters():
+    """A world that is not a power of two: the mean is taken in Q (Q / 3 rounds), alike on every rank."""
+    results = run_workers(_three_rank_worker, 3)
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r))
+    assert not all(torch.equal(a, b) for a, b in zip(results[0], small_mlp().parameters()))   # it trained
