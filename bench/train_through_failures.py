@@ -342,7 +342,8 @@ def job_entry(name: str, words: list[str], args: argparse.Namespace, out: Path, 
     ``checkpoints``."""
     command = strategy_command(name, args, out, words)
     if _convoy(words):
-        return ["-m", "convoy", *command, "--checkpoint-dir", str(checkpoints),
+        every = [] if args.convoy_checkpoint_every is None else ["--checkpoint-every", args.convoy_checkpoint_every]
+        return ["-m", "convoy", *command, "--checkpoint-dir", str(checkpoints), *every,
                 "--timeout", str(args.collective_timeout)]
     return [*command, "--checkpoint-dir", str(checkpoints), "--checkpoint-every", str(args.ddp_checkpoint_every)]
 
@@ -601,6 +602,8 @@ def main() -> None:
     parser.add_argument("--max-failures", type=int, default=None, help="at most this many (default: hosts - 1)")
     parser.add_argument("--ddp-checkpoint-every", type=int, default=20, help="the DDP peer's DCP checkpoint "
                         "interval, in steps (the failures fall mid-way through one)")
+    parser.add_argument("--convoy-checkpoint-every", metavar="N|auto", help="convoy train --checkpoint-every for "
+                        "the convoy jobs (default: convoy's own, every step)")
     parser.add_argument("--replace-after", type=float, default=0.0, help="seconds after a kill until the DDP "
                         "peer's host is back, and convoy's with --convoy-replaced (default: 0, a spare standing by)")
     parser.add_argument("--convoy-replaced", action="store_true", help="also run each convoy strategy with "
@@ -775,6 +778,14 @@ BLOCKS = (
           partial(render_train_through_failures, "train_through_failures_vgg_fc_100mbit"),
           rerun="flock /tmp/convoy-netns.lock python bench/train_through_failures.py --model vgg_fc --kill-every 80 "
                 "--convoy-replaced --timeline", emulated=True),
+    Block("train_through_failures_checkpoint_auto", "Training through failures with convoy checkpointing as "
+          "often as its budget allows", ("train_through_failures_vgg_fc_100mbit_checkpoint_auto",),
+          "torch DDP + torch's PowerSGD hook (at the rank named above the table) with a DCP checkpoint every 20 "
+          "steps, restarted by torchrun on the full world, in the same run; and each strategy without failures",
+          partial(render_train_through_failures, "train_through_failures_vgg_fc_100mbit_checkpoint_auto"),
+          rerun="flock /tmp/convoy-netns.lock python bench/train_through_failures.py --model vgg_fc --kill-every 80 "
+                "--strategies convoy-powersgd tuned-peer --convoy-checkpoint-every auto --tag checkpoint_auto",
+          emulated=True),
     Block("train_through_failures_downtime", "Each failure's downtime, step by step, in the 4-host run above",
           ("train_through_failures_vgg_fc_100mbit",),
           "nothing: each step's time after the kill (the latest agent or rank to reach it) and since the step "
