@@ -227,14 +227,20 @@ def _killed_start_on_three(directory: Path, kill: str, job: tuple[str, ...] = ()
                           timeout=240).returncode
 
 
+def _two_copies(checkpoint: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """Two copies of ``checkpoint``: one re-dealt without a kill (the reference), one with."""
+    reference, directory = tmp_path / "reference", tmp_path / "ckpt"
+    shutil.copytree(checkpoint, reference)
+    shutil.copytree(checkpoint, directory)
+    return reference, directory
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kill", ["record:{generation}", "reshard:0", "reshard:1"])
 def test_a_kill_during_the_re_deal_leaves_a_directory_that_resumes_to_the_same_state(sparse_checkpoint, tmp_path,
                                                                                       kill):
     checkpoint, before = sparse_checkpoint
-    reference, directory = tmp_path / "reference", tmp_path / "ckpt"
-    shutil.copytree(checkpoint, reference)
-    shutil.copytree(checkpoint, directory)
+    reference, directory = _two_copies(checkpoint, tmp_path)
     _start_on_three(reference)
     store = Store.open(checkpoint / "state-rank0.ckpt")
     try:   # the re-dealt files are committed with the generation rank 0's file has at step 30
@@ -335,9 +341,7 @@ def test_a_re_deal_inside_the_log_writes_the_step_as_the_snapshot_the_uninterrup
 def test_a_kill_while_the_snapshot_is_written_or_moved_in_leaves_a_usable_directory(logged_checkpoint, tmp_path,
                                                                                        kill):
     checkpoint, _ = logged_checkpoint
-    reference, directory = tmp_path / "reference", tmp_path / "ckpt"
-    shutil.copytree(checkpoint, reference)
-    shutil.copytree(checkpoint, directory)
+    reference, directory = _two_copies(checkpoint, tmp_path)
     _start_on_three(reference, LOGGED)
     store = Store.open(checkpoint / "model-rank0.ckpt")
     try:   # the new snapshot is the generation after the one step 20 extends (the newest)
