@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -175,7 +174,6 @@ def main() -> None:
     if args.flat_steps % args.eval_every:
         raise SystemExit("--flat-steps must be a multiple of --eval-every")
     topology = Topology(args.hosts, parse_rate(args.rate), 2, parse_rate(args.inter_rack_rate))
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     signal.signal(signal.SIGTERM, _raise_interrupt)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -144,5 +143,4 @@ BLOCKS = (
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     main()

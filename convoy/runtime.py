@@ -28,6 +28,12 @@ _ENV_NEEDED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Set by convoy's own launcher: rank 0's rendezvous store listens on MASTER_ADDR
 # only (127.0.0.1 locally), where torch's default would listen on every interface.
 BIND_STORE_ENV = "CONVOY_BIND_STORE"
+# What the ranks convoy starts find in their environment unless it says otherwise.
+# c10d logs a peer's closed connection (the rank that failed has exited) and a
+# host name without DNS (an emulated host) as warnings with a C++ stack, which
+# would bury the failed rank's one-line report: its ranks log errors only. torch
+# reads this when it is imported, so it must be set before the rank imports it.
+QUIET_RANK_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
 # Set by torchrun's agent when MASTER_ADDR:MASTER_PORT is its own store, which
 # outlives the workers and so keeps every key that earlier workers wrote.
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"

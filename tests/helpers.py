@@ -9,6 +9,7 @@ import contextlib
 import functools
 import io
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import shutil
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from convoy.checkpoint.files import committed_step
+from convoy.runtime import QUIET_RANK_ENV
 from convoy.utils.spawn import free_port, rank_entry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +42,16 @@ _PRELOAD = ["torch", "torch.distributed", "torch.nn.functional", "torch._dynamo"
             "convoy.train.loop", "sklearn.datasets", "sklearn.model_selection"]
 _FORKSERVER = multiprocessing.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(_PRELOAD)
+
+
+def fork_server() -> multiprocessing.context.BaseContext:
+    """The fork server's context, its server started (once) in the environment convoy's launcher gives
+    its ranks: torch reads its C++ log level when the server imports it, and every process forked from
+    the server keeps what it read (a forked rank setting the variable later changes nothing)."""
+    with _environment({**QUIET_RANK_ENV, **os.environ}):
+        multiprocessing.forkserver.ensure_running()
+    return _FORKSERVER
+
 
 # The test being run (set by conftest's pytest_runtest_protocol): helpers that start processes
 # check that it carries a timeout, so a hung collective fails that test, soon.
@@ -72,6 +84,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any
     import torch.multiprocessing as mp
 
     require_timeout("starts a world of processes")
+    fork_server()
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(rank_entry, args=(world_size, free_port(), out_dir, fn, args),
                                      nprocs=world_size, join=False, start_method="forkserver")
@@ -172,8 +185,9 @@ class ForkedRank(_Forked):
         if _launcher_threads is not None and _threads() != _launcher_threads:
             raise RuntimeError(f"the launcher runs {_threads()} threads, not the {_launcher_threads} it began with: "
                                "a rank forked from it could inherit a lock held for good")
-        super().__init__(_rank_context.Process(target=_forked_rank_main,
-                                               args=(argv[3:], env, os.getcwd(), os.getpid())))
+        context = fork_server() if _rank_context is _FORKSERVER else _rank_context
+        super().__init__(context.Process(target=_forked_rank_main,
+                                         args=(argv[3:], env, os.getcwd(), os.getpid())))
 
 
 def _forked_rank_main(argv: list[str], env: dict[str, str], cwd: str, launcher: int) -> None:
@@ -324,8 +338,8 @@ class _ForkedLauncher(_Forked):
 
     def __init__(self, args: list[str], stderr: Path):
         self._stderr = stderr
-        super().__init__(_FORKSERVER.Process(target=_forked_launcher_main,
-                                             args=(args, os.getcwd(), dict(os.environ), str(stderr))))
+        super().__init__(fork_server().Process(target=_forked_launcher_main,
+                                               args=(args, os.getcwd(), dict(os.environ), str(stderr))))
         # Returns, as Popen(start_new_session=True) does, once the launcher leads a session of its own:
         # a kill of its process group cannot come before there is one.
         while self.poll() is None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 
@@ -88,8 +87,6 @@ def run_cluster(args: argparse.Namespace) -> int:
         return 0
     topology = _topology(args)
     argv = _rank_command(args.command)
-    # The namespaces have no DNS; c10d warns about it on every connection.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     # SIGTERM must unwind like Ctrl-C so the namespaces are removed; the caller's handler comes
     # back afterwards (main() may run inside another program, e.g. a test).
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)

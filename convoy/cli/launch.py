@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 from convoy.cli.errors import ERROR_FILE_ENV, is_stop, read_failure
-from convoy.runtime import BIND_STORE_ENV
+from convoy.runtime import BIND_STORE_ENV, QUIET_RANK_ENV
 from convoy.utils.lifetime import STOP_GRACE_S, Stopped, die_with_parent, stop_on_signals
 from convoy.utils.spawn import free_port
 
@@ -49,13 +49,10 @@ def run_ranks(argv_of: Callable[[int], list[str]], nproc: int, master_addr: str,
         procs: list[subprocess.Popen] = []
         try:
             for rank in range(nproc):
-                env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
+                env = {**QUIET_RANK_ENV, **os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc),
+                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
                        ERROR_FILE_ENV: str(Path(tmp, f"rank{rank}.json")), BIND_STORE_ENV: "1"}
                 env.setdefault("GLOO_SOCKET_IFNAME", interface)
-                # A rank that refuses its input exits at once; c10d's warnings from the
-                # others (a store connection reset) must not bury the one-line error.
-                env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
                 # Their own process group: a terminal's Ctrl-C reaches the launcher alone,
                 # which then stops every rank; the death signal covers a SIGKILLed launcher.
                 procs.append(subprocess.Popen(argv_of(rank), env=env, process_group=0,

@@ -21,6 +21,7 @@ import sys
 from typing import Sequence
 
 from convoy.emulation.netns import EmulatedCluster
+from convoy.runtime import QUIET_RANK_ENV
 
 RDZV_PORT = 29400   # in the first host's namespace: its own port space
 # The c10d rendezvous settings an elastic job re-forms quickly with (``--rdzv-conf``). A lost
@@ -79,8 +80,7 @@ def agent_environment(env: dict[str, str] | None = None, gloo_interface: str | N
         gloo_interface: GLOO_SOCKET_IFNAME, or None to leave it unset.
     """
     environ = {key: value for key, value in os.environ.items() if key not in _CHOSEN}
-    # The namespaces have no DNS; c10d warns about it on every connection.
-    environ.update(TORCH_CPP_LOG_LEVEL="ERROR", **(env or {}))
+    environ.update(QUIET_RANK_ENV, **(env or {}))   # no DNS in the namespaces: c10d warns of it
     if gloo_interface:
         environ["GLOO_SOCKET_IFNAME"] = gloo_interface
     return environ

@@ -2,7 +2,6 @@
 naming what to set, and a stop signal is obeyed while a worker waits for its peers."""
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import socket
@@ -12,7 +11,7 @@ import time
 
 import pytest
 
-from tests.helpers import require_timeout
+from tests.helpers import fork_server, require_timeout
 
 # A worker of a two-rank torchrun job whose agent store (MASTER_ADDR:MASTER_PORT) is the test's socket.
 AGENT_ENV = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
@@ -93,7 +92,7 @@ def test_init_against_a_closed_port_raises_within_the_timeout():
     require_timeout("starts a process")
     with socket.create_server(("127.0.0.1", 0)) as closed:
         port = closed.getsockname()[1]
-    context = multiprocessing.get_context("forkserver")
+    context = fork_server()
     results = context.Queue()
     process = context.Process(target=_init_against, args=(port, 2.0, results))
     process.start()
