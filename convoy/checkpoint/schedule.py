@@ -107,8 +107,9 @@ class Schedule:
 
     def logs_update(self, step: int) -> bool:
         """Whether the writer appends ``step``'s update to the log: every step after a full
-        snapshot (a later checkpoint replays them all), except the steps that take a new one."""
-        return bool(self.writer and self.full_every and self.based and not (self.full_due and self.due(step)))
+        snapshot (a later checkpoint replays them all), except the steps that take a new one;
+        none where every checkpoint is full (no checkpoint replays them)."""
+        return bool(self.writer and self.full_every > 1 and self.based and not (self.full_due and self.due(step)))
 
     def observe(self, step: int, now: float, stats: dict[str, float]) -> str | None:
         """``step`` ended at ``now`` with the listener's counters ``stats``; returns what was
@@ -133,11 +134,14 @@ class Schedule:
         if self.full_every:   # every rank follows the schedule: replay writes rank files with the full ones
             self.fulls += full
             self.since_full = 0 if full else self.since_full + 1
+            # Checkpoints more than a step apart log every step between them: how that compares
+            # with full snapshots alone is known once one of each was measured.
             if self.auto_full is not None and not self.auto_full.decided \
-                    and self.since_full + 1 >= self.full_every:
+                    and (self.since_full + 1 >= self.full_every or (self.every > 1 and self.since_full > 0)):
                 self.full_every = self.auto_full.decide(dict(measured(), fulls=self.fulls), self.every)
-                decided = (f"a full snapshot every {self.full_every} checkpoints, the longest interval any "
-                           f"rank chose ({self.auto_full.describe()})")
+                kind = ("every checkpoint a full snapshot, no log (logging each step's update would cost more)"
+                        if self.full_every == 1 else f"a full snapshot every {self.full_every} checkpoints")
+                decided = f"{kind}, the longest interval any rank chose ({self.auto_full.describe()})"
             self.full_due = self.since_full + 1 >= self.full_every
             self.based = True
         return with_state, full, decided
@@ -193,7 +197,8 @@ class AutoFrequency:
 
 
 def full_interval(full_cost_s: float, update_cost_s: float, step_s: float, every: int, budget: float) -> int:
-    """Checkpoints between full snapshots: the fewest whose cost per step fits ``budget``.
+    """Checkpoints between full snapshots: the fewest whose cost per step fits ``budget``, or 1
+    (every checkpoint full, no log) where that costs no more.
 
     A full snapshot costs ``full_cost_s`` and every step's logged update
     ``update_cost_s`` (CPU seconds of the listener's threads, a conservative
@@ -201,18 +206,22 @@ def full_interval(full_cost_s: float, update_cost_s: float, step_s: float, every
     ``every`` steps of ``step_s``, ``K`` checkpoints apart the cost per step is
     ``update_cost_s + full_cost_s / (K * every)``. Bounded by
     ``FULL_EVERY_BOUNDS``: at least the interval used while measuring, at most
-    the replay a resume may have to train again.
+    the replay a resume may have to train again. Full snapshots alone cost
+    ``full_cost_s / every`` a step: less where a step's update is dense (the
+    log then holds a whole gradient a step) and checkpoints are steps apart.
 
     Example::
 
         >>> full_interval(0.16, 0.006, 0.6, 1, 0.02)   # room: 12 - 6 ms a step
         27
+        >>> full_interval(0.16, 0.006, 0.6, 50, 0.02)  # full alone: 3.2 ms a step
+        1
     """
     low, high = FULL_EVERY_BOUNDS
     room = budget * step_s - update_cost_s
-    if room <= 0:
-        return high
-    return min(high, max(low, math.ceil(full_cost_s / (room * every))))
+    chosen = high if room <= 0 else min(high, max(low, math.ceil(full_cost_s / (room * every))))
+    logged = update_cost_s + full_cost_s / (chosen * every)
+    return 1 if full_cost_s / every <= logged else chosen
 
 
 class AutoFullInterval:
@@ -234,8 +243,11 @@ class AutoFullInterval:
         step_s = statistics.median(gaps) if gaps else 0.0
         full = stats["full_cpu_s"] / max(stats["fulls"], 1)
         update = stats["update_cpu_s"] / max(stats["logged_steps"], 1)
-        chosen = self.agree(full_interval(full, update, step_s, every, self.budget)
-                            if step_s > 0 else FULL_EVERY_BOUNDS[1])
+        if not stats["logged_steps"]:
+            mine = 1   # logs nothing (not a writer): the writers' choice, the largest, is every rank's
+        else:
+            mine = full_interval(full, update, step_s, every, self.budget) if step_s > 0 else FULL_EVERY_BOUNDS[1]
+        chosen = self.agree(mine)
         self.summary = {"step_s": step_s, "full_s": full, "update_s": update}
         self.decided = True
         return chosen

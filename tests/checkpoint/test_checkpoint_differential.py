@@ -109,14 +109,19 @@ def test_updates_round_trip_bit_for_bit_negative_zero_included():
 @given(full=st.floats(0.0, 10.0), update=st.floats(0.0, 0.1), step=st.floats(0.01, 5.0), every=st.integers(1, 50),
        budget=st.floats(0.001, 0.5))
 def test_the_full_snapshot_interval_is_the_fewest_checkpoints_within_the_budget(full, update, step, every, budget):
-    """Within its bounds, the interval chosen is the shortest whose cost per step fits the budget."""
+    """Within its bounds, the interval chosen is the shortest whose cost per step fits the budget;
+    every checkpoint is full (1) only where that costs no more than logging would, and always then."""
     low, high = FULL_EVERY_BOUNDS
     chosen = full_interval(full, update, step, every, budget)
-    assert low <= chosen <= high
 
     def cost(k: int) -> float:
         return update + full / (k * every)
 
+    full_alone = full / every
+    if chosen == 1:   # no more than logging at the interval the budget asks for, which is in the bounds
+        assert full_alone <= cost(low) * (1 + 1e-9)
+        return
+    assert low <= chosen <= high and full_alone > cost(chosen)
     if low < chosen < high:
         assert cost(chosen) <= budget * step * (1 + 1e-9) and cost(chosen - 1) > budget * step
     if chosen == low and update < budget * step:
@@ -137,6 +142,28 @@ def test_auto_full_snapshots_measure_then_space_the_snapshots_and_resume_bit_for
     state, session = _train_with_checkpoints(tmp_path, until=STEPS, stop=STEPS, every=1, full_every="auto")
     assert (session.start.step, session.start.replay_to) == (fulls[-1], 15), session.start
     for key, tensor in trace[STEPS].items():
+        assert torch.equal(state[key], tensor), key
+
+
+@pytest.mark.parametrize("compress", ["blocktopk", "powersgd"])
+def test_auto_full_snapshots_with_checkpoints_steps_apart_decide_at_the_second_and_resume_bit_for_bit(
+        tmp_path, compress, capsys):
+    """Checkpoints every 3 steps: the first is full, the steps after it logged; at the second the
+    writer weighs that log against full snapshots alone and takes the cheaper. Whichever it took,
+    a resume reaches the uninterrupted run's state; with no log, from the newest checkpoint alone."""
+    _, session = _train_with_checkpoints(tmp_path, until=13, stop=100, compress=compress, every=3,
+                                         full_every="auto")
+    chosen = session.listener.full_every
+    err = capsys.readouterr().err
+    assert "convoy: checkpoint: " + ("every checkpoint a full snapshot, no log" if chosen == 1
+                                     else f"a full snapshot every {chosen} checkpoints") in err
+    state, session = _train_with_checkpoints(tmp_path, until=STEPS, stop=STEPS, compress=compress, every=3,
+                                             full_every="auto")
+    # Checkpoints after 3, 6, 9 and 12 steps, the first full; the decision came with the second.
+    # With a log, the snapshot after 3 steps and 9 logged updates; without, the snapshot after 12.
+    assert session.start.step == 12, session.start
+    assert ("9 differential steps replayed" in session.start.notes[0]) == (chosen != 1), session.start
+    for key, tensor in checkpoint_job.reference_trace(STEPS, compress)[STEPS].items():
         assert torch.equal(state[key], tensor), key
 
 

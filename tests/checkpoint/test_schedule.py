@@ -21,8 +21,9 @@ def _expected(every: int, last_step: int, full_every: int, replay: bool, writer:
         due = (step + 1) % every == 0 or step == last_step
         full = due and (full_every == 0 or checkpoints % full_every == 0)
         state = due and (not (replay and full_every) or full)
-        # The writer logs every step after the first full snapshot except those that take a new one.
-        logged = writer and full_every > 0 and first_full is not None and not full
+        # The writer logs every step after the first full snapshot except those that take a new one;
+        # nothing where every checkpoint is full.
+        logged = writer and full_every > 1 and first_full is not None and not full
         rows.append((step, due, full, state, logged))
         if due:
             checkpoints += 1
@@ -80,3 +81,29 @@ def test_auto_every_measures_then_adopts_the_largest_interval_any_rank_chose():
 def test_out_of_range_settings_are_refused(settings):
     with pytest.raises(ValueError):
         Schedule(**{"every": 1, "last_step": 9, "full_every": 0, "writer": True, **settings})
+
+
+@pytest.mark.parametrize("update_cpu_s, logs_after", [(0.05, False), (0.0005, True)])
+def test_auto_checkpoints_steps_apart_stop_logging_where_full_snapshots_alone_cost_less(update_cpu_s, logs_after):
+    """Checkpointed steps take 1.1 s against 1 s (every 4 steps at 3%): a full snapshot costing 0.2 s
+    of CPU alone is 0.05 s a step; logging each step's update costs more at 0.05 s (a dense update),
+    less at 0.5 ms. Decided at the probe's last checkpoint, with the interval."""
+    schedule = Schedule(every="auto", last_step=1000, full_every="auto", writer=True)
+    off, on = AUTO_PROBE_STEPS
+    now, stats, messages, logged = 0.0, {"stall_s": 0.0, "persist_s": 0.0}, [], 0
+    for step in range(off + on):
+        logged += schedule.logs_update(step)
+        now += 1.1 if schedule.due(step) else 1.0
+        messages.append(schedule.observe(step, now, stats))
+        if schedule.due(step):
+            measured = {"full_cpu_s": 0.2, "update_cpu_s": update_cpu_s * logged, "logged_steps": logged}
+            messages.append(schedule.take(lambda: measured)[2])
+    assert schedule.every == 4 and logged == on - 1
+    assert (schedule.full_every == 1) == (not logs_after)
+    assert any(m and m.startswith("every checkpoint a full snapshot, no log") for m in messages) == (not logs_after)
+    later = range(off + on, off + on + 20)
+    assert any(schedule.logs_update(step) for step in later) == logs_after
+    for step in later:
+        if schedule.due(step):
+            full = schedule.take(lambda: pytest.fail("decided already"))[1]
+            assert full or logs_after
