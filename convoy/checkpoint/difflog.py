@@ -211,8 +211,10 @@ def chunks_of(grad: torch.Tensor, support: Support | None = None) -> Chunks:
         if len(index) * 8 > full and flat.numel() < 2 ** 31:
             # Many runs hold something: scattered elements (element-wise top-k) may be fewer bytes
             # as positions and values; a dense update (low rank) is not.
-            positions = torch.nonzero(flat.view(_BITS[flat.element_size()])).view(-1)
-            if len(positions) * (4 + flat.element_size()) < len(index) * CHUNK * flat.element_size():
+            # Counted first (one pass, nothing allocated): a dense update's positions are never kept.
+            size, bits = flat.element_size(), flat.view(_BITS[flat.element_size()])
+            if int(torch.count_nonzero(bits)) * (4 + size) < len(index) * CHUNK * size:
+                positions = torch.nonzero(bits).view(-1)
                 return Chunks(positions.to(torch.int32), flat[positions].view(-1, 1), flat[:0].clone(),
                               flat.numel(), 1)
     return Chunks(index.to(torch.int32), head.view(full, CHUNK).index_select(0, index),
