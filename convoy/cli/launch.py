@@ -50,8 +50,8 @@ def run_ranks(argv_of: Callable[[int], list[str]], nproc: int, master_addr: str,
         try:
             for rank in range(nproc):
                 env = {**QUIET_RANK_ENV, **os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc),
-                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
-                       ERROR_FILE_ENV: str(Path(tmp, f"rank{rank}.json")), BIND_STORE_ENV: "1"}
+                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": master_addr,
+                       "MASTER_PORT": str(port), ERROR_FILE_ENV: str(Path(tmp, f"rank{rank}.json")), BIND_STORE_ENV: "1"}
                 env.setdefault("GLOO_SOCKET_IFNAME", interface)
                 # Their own process group: a terminal's Ctrl-C reaches the launcher alone,
                 # which then stops every rank; the death signal covers a SIGKILLed launcher.
