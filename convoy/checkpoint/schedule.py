@@ -248,11 +248,16 @@ class AutoFullInterval:
         else:
             mine = full_interval(full, update, step_s, every, self.budget) if step_s > 0 else FULL_EVERY_BOUNDS[1]
         chosen = self.agree(mine)
-        self.summary = {"step_s": step_s, "full_s": full, "update_s": update}
+        self.summary = {"step_s": step_s, "full_s": full, "update_s": update, "every": every, "chosen": chosen}
         self.decided = True
         return chosen
 
     def describe(self) -> str:
         s = self.summary
-        return (f"rank 0 measured: step {1000 * s['step_s']:.0f} ms, a full snapshot {1000 * s['full_s']:.0f} ms "
+        said = (f"rank 0 measured: step {1000 * s['step_s']:.0f} ms, a full snapshot {1000 * s['full_s']:.0f} ms "
                 f"and a step's update {1000 * s['update_s']:.1f} ms of CPU; budget {100 * self.budget:g}%")
+        if s["every"] == 1 and s["chosen"] > 1 and s["update_s"] > self.budget * s["step_s"] > 0:
+            # A checkpoint every step cannot fit the budget whatever the interval between full snapshots.
+            said += (f"; a checkpoint every step costs {s['update_s'] / s['step_s']:.0%} of a step here: "
+                     "checkpoints some steps apart (an interval, or auto) fit the budget")
+        return said

@@ -107,3 +107,18 @@ def test_auto_checkpoints_steps_apart_stop_logging_where_full_snapshots_alone_co
         if schedule.due(step):
             full = schedule.take(lambda: pytest.fail("decided already"))[1]
             assert full or logs_after
+
+
+@pytest.mark.parametrize("update_cpu_s, warned", [(0.1, True), (0.001, False)])
+def test_a_checkpoint_every_step_over_the_budget_is_said_with_the_way_out(update_cpu_s, warned):
+    """Steps of 1 s and a budget of 3%: logging each step's update at 0.1 s cannot fit, and the
+    decision says so; at 1 ms it fits and nothing more is said."""
+    schedule = Schedule(every=1, last_step=1000, full_every="auto", writer=True)
+    logged, message = 0, None
+    for step in range(12):
+        logged += schedule.logs_update(step)
+        schedule.observe(step, float(step), {})
+        measured = {"full_cpu_s": 0.2, "update_cpu_s": update_cpu_s * logged, "logged_steps": logged}
+        message = schedule.take(lambda: measured)[2] or message
+    assert message is not None and message.startswith("a full snapshot every")
+    assert ("a checkpoint every step costs 10% of a step here" in message) == warned, message
