@@ -376,8 +376,9 @@ class CheckpointConfig:
                            "mount is used as such); resumes from it when it holds a checkpoint",
                            flag="checkpoint_dir", path=True)
     every: str | int = _opt("1", "checkpoint every N steps (and after the last one), or auto: measure "
-                      "a checkpoint's cost and checkpoint as often as --checkpoint-budget allows",
-                      flag="checkpoint_every")
+                      "a checkpoint's cost and checkpoint as often as --checkpoint-budget allows (every step "
+                      "loses no step to a crash but costs most where the compressor's state is dense, "
+                      "e.g. powersgd)", flag="checkpoint_every")
     budget: float = _opt(DEFAULT_BUDGET, "--checkpoint-every auto, --checkpoint-full-every auto: the share of step "
                          "time checkpoints may cost, in (0, 0.5]", flag="checkpoint_budget")
     full_every: str | int = _opt(DEFAULT_FULL_EVERY, "with a sparse compressor "
