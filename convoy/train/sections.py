@@ -381,8 +381,8 @@ class CheckpointConfig:
                       "e.g. powersgd)", flag="checkpoint_every")
     budget: float = _opt(DEFAULT_BUDGET, "--checkpoint-every auto, --checkpoint-full-every auto: the share of step "
                          "time checkpoints may cost, in (0, 0.5]", flag="checkpoint_budget")
-    full_every: str | int = _opt(DEFAULT_FULL_EVERY, "with a sparse compressor "
-                                 f"({', '.join(sparse_names())}): a full snapshot every N checkpoints, the "
+    full_every: str | int = _opt(DEFAULT_FULL_EVERY, "with a compressor other than fp16 under --sync "
+                                 "allreduce: a full snapshot every N checkpoints, the "
                                  "exchanged update in between (1: always full), or auto: measure the first full "
                                  "snapshot, then the fewest checkpoints between full ones (10 to 100) that keep "
                                  "within --checkpoint-budget; a resume may train up to that many steps again",
