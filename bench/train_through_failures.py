@@ -784,7 +784,8 @@ BLOCKS = (
           "steps, restarted by torchrun on the full world, in the same run; and each strategy without failures",
           partial(render_train_through_failures, "train_through_failures_vgg_fc_100mbit_checkpoint_auto"),
           rerun="flock /tmp/convoy-netns.lock python bench/train_through_failures.py --model vgg_fc --kill-every 80 "
-                "--strategies convoy-powersgd tuned-peer --convoy-checkpoint-every auto --tag checkpoint_auto",
+                "--strategies blocktopk convoy-powersgd tuned-peer --convoy-checkpoint-every auto --convoy-replaced "
+                "--timeline --tag checkpoint_auto",
           emulated=True),
     Block("train_through_failures_downtime", "Each failure's downtime, step by step, in the 4-host run above",
           ("train_through_failures_vgg_fc_100mbit",),
