@@ -44,6 +44,9 @@ CONFIGS: dict[str, tuple[tuple[str, ...], int]] = {
                                     "--checkpoint-full-every", "3", "--checkpoint-rank-files", "full"), 1),
     "allreduce-powersgd-differential": (("--nproc", "2", "--compress", "powersgd", "--checkpoint-full-every", "3"),
                                         1),
+    # Checkpoints 3 steps apart, full snapshots spaced by measure: the choice between a log and full
+    # snapshots alone (made at the second checkpoint) may fall either way, before or after a kill.
+    "allreduce-powersgd-every3-full-auto": (("--nproc", "2", "--compress", "powersgd", "--checkpoint-every", "3"), 1),
     "ps-colocated-blocktopk": (("--nproc", "2", "--sync", "ps", "--servers", "colocated", "--compress",
                                 "blocktopk", "--block-fraction", "0.1"), 2),
     "ps-dedicated-powersgd": (("--nproc", "3", "--sync", "ps", "--servers", "1", "--compress", "powersgd"), 1),
