@@ -42,9 +42,9 @@ MARKER = re.compile(r"(<!-- bench:([\w.-]+) -->\n)(.*?)(<!-- /bench:\2 -->)", re
 BENCHES = ("default_job", "engine_vs_ddp", "cluster_allreduce", "checkpoint", "ddp_hook_stress", "cuda_paths",
            "train_through_failures", "stop_flag", "compression.selection", "compression.wire_bytes",
            "compression.accuracy", "powersgd_step", "sparse_accuracy", "sparse_block_size", "time_to_accuracy",
-           "ps_settings", "link_patterns", "staleness_rules", "training_guards", "hybrid", "hierarchical", "ps",
-           "suite", "accuracy_at_budget", "simulator_runs", "simulator_validation", "simulator_checks",
-           "plan_time_to_target", "simulator_projection")
+           "steps_across_seeds", "ps_settings", "link_patterns", "staleness_rules", "training_guards", "hybrid",
+           "hierarchical", "ps", "suite", "accuracy_at_budget", "simulator_runs", "simulator_validation",
+           "simulator_checks", "plan_time_to_target", "simulator_projection")
 
 
 class RenderError(Exception):

@@ -6,6 +6,7 @@ import pytest
 
 from bench.accuracy_at_budget import accuracy_at, budget_rows
 from bench.common import launcher
+from bench.steps_across_seeds import medians
 from bench.time_to_accuracy import step_figures
 
 
@@ -187,3 +188,18 @@ def test_a_result_file_records_the_command_that_wrote_it(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", [str(common.Path(common.__file__).parent / "x.py"), "--steps", "3", "a b"])
     path = common.save("x", {"steps": 3}, [{"mode": "a"}], ["mode"])
     assert json.loads(path.read_text())["machine"]["command"] == "python bench/x.py --steps 3 'a b'"
+
+
+def test_a_seed_that_never_reached_the_target_counts_as_the_most_steps():
+    rows = [{"strategy": "a", "seed": seed, "steps_to_0.97": steps}
+            for seed, steps in enumerate([240, None, 200, 260, None])]
+    median, = medians(rows, [0.97])
+    assert median["steps_to_0.97"] == 260 and median["seeds_reaching_0.97"] == 3
+    rows[3]["steps_to_0.97"] = None   # most seeds never got there: neither does the median
+    assert medians(rows, [0.97])[0]["steps_to_0.97"] is None
+
+
+def test_medians_are_per_strategy_and_take_the_lower_middle_of_an_even_count():
+    rows = [{"strategy": name, "seed": seed, "steps_to_0.95": steps}
+            for name, runs in (("a", [100, 140]), ("b", [180, 160, 120])) for seed, steps in enumerate(runs)]
+    assert [(m["strategy"], m["steps_to_0.95"]) for m in medians(rows, [0.95])] == [("a", 100), ("b", 160)]

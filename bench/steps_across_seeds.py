@@ -1,0 +1,139 @@
+"""Steps to a test accuracy across seeds: convoy's strategies against the tuned peers.
+
+    python bench/steps_across_seeds.py --model vgg_fc --seeds 0 1 2 3 4 \\
+        --strategies ddp-powersgd-r4 convoy-powersgd-r4
+
+A time-to-accuracy run (bench/time_to_accuracy.py) is one seed: the step at
+which a strategy first reaches a target is fixed by the seed (the model's
+initialisation and the data order; gloo sums in a fixed order), and from one
+seed to the next it moves by an evaluation interval or more. This runs each
+strategy of time_to_accuracy, with its flags, at several seeds and reports the
+step at which each reached the targets, and per strategy the median over the
+seeds. Steps do not depend on the links or on the machine's load, so the ranks
+run as local processes (``--hosts`` of them, loopback), several runs at once
+with ``--parallel``. Writes bench/results/steps_across_seeds_<model>.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import launcher, save  # noqa: E402
+from bench.figures import Block, number, rows_of, table  # noqa: E402
+from bench.time_to_accuracy import STRATEGIES, TUNED_PEERS, strategy_command  # noqa: E402
+
+DEFAULT_STRATEGIES = ["ddp-powersgd-r4", "convoy-powersgd-r4"]
+
+
+def run(name: str, seed: int, args: argparse.Namespace) -> dict:
+    """The steps at which one strategy's run at ``seed`` first reached each of ``args.targets``
+    (``name``: one of time_to_accuracy's strategies or of ``args.extra``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "run")
+        command = strategy_command(name, args, out, args.extra.get(name)) + ["--seed", str(seed)]
+        result = subprocess.run(launcher(command, args.hosts, "loopback"), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{name} at seed {seed} failed:\n{result.stderr[-3000:]}")
+        evals = [r for r in map(json.loads, (out / "metrics-rank0.jsonl").read_text().splitlines())
+                 if r["kind"] == "eval"]
+    row = {"strategy": name, "seed": seed, "final_accuracy": evals[-1]["test_accuracy"],
+           "curve": [(e["step"], e["test_accuracy"]) for e in evals]}
+    for level in args.targets:
+        row[f"steps_to_{level:g}"] = next((e["step"] for e in evals if e["test_accuracy"] >= level), None)
+    return row
+
+
+def medians(rows: list[dict], targets: list[float]) -> list[dict]:
+    """Per strategy, the median over seeds of the steps to each target (a seed that never got there
+    counts as more steps than any that did) and how many seeds reached it."""
+    out = []
+    for name in dict.fromkeys(r["strategy"] for r in rows):
+        mine = [r for r in rows if r["strategy"] == name]
+        row = {"strategy": name, "seed": "median"}
+        for level in targets:
+            key = f"steps_to_{level:g}"
+            steps = sorted(r[key] if r[key] is not None else float("inf") for r in mine)
+            median = statistics.median_low(steps)
+            row[key] = None if median == float("inf") else median
+            row[f"seeds_reaching_{level:g}"] = sum(r[key] is not None for r in mine)
+        out.append(row)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hosts", type=int, default=4, help="ranks (local processes)")
+    parser.add_argument("--model", default="vgg_fc")
+    parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=400, help="give up after this many steps")
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--targets", type=float, nargs="+", default=[0.95, 0.97],
+                        help="accuracies to report; a run stops at the highest")
+    parser.add_argument("--warmup-steps", type=int, default=None)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--parallel", type=int, default=1, help="runs at once (steps do not depend on it)")
+    parser.add_argument("--tag", help="suffix of the result files' names")
+    parser.add_argument("--strategies", nargs="*", default=DEFAULT_STRATEGIES, choices=list(STRATEGIES),
+                        help=f"default: {' '.join(DEFAULT_STRATEGIES)}")
+    parser.add_argument("--extra", action="append", default=[], metavar='NAME="FLAGS"',
+                        help="another run: a name and its convoy train flags (a setting being tried)")
+    args = parser.parse_args()
+    args.target, args.cluster = max(args.targets), None   # what strategy_command reads
+    args.extra = {name: ["train", *shlex.split(flags)]
+                  for name, _, flags in (extra.partition("=") for extra in args.extra)}
+    jobs = [(name, seed) for seed in args.seeds for name in [*args.strategies, *args.extra]]
+    with ThreadPoolExecutor(args.parallel) as pool:
+        rows = list(pool.map(lambda job: run(*job, args), jobs))
+    for row in rows:
+        print({k: v for k, v in row.items() if k != "curve"}, flush=True)
+    name = f"steps_across_seeds_{args.model}" + (f"_{args.tag}" if args.tag else "")
+    settings = {k: v for k, v in vars(args).items() if k not in ("target", "cluster")}
+    keys = [f"steps_to_{level:g}" for level in args.targets]
+    save(name, settings, rows + medians(rows, args.targets),
+         ["strategy", "seed", *keys, *[f"seeds_reaching_{level:g}" for level in args.targets], "final_accuracy"])
+
+
+# The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
+
+def render_steps_across_seeds(*names: str) -> str:
+    """Per strategy, the steps to each target at every seed, then the median over the seeds (the runs
+    of ``names``, at the same seeds)."""
+    rows = rows_of(*names)
+    keys = sorted({k for r in rows for k in r if k.startswith("steps_to_")})
+    seeds = list(dict.fromkeys(r["seed"] for r in rows if r["seed"] != "median"))
+    cells = []
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
+        by = {r["seed"]: r for r in rows if r["strategy"] == strategy}
+        peer = " (tuned peer)" if strategy in TUNED_PEERS else ""
+        for key in keys:
+            level = key.removeprefix("steps_to_")
+            median = by["median"]
+            cells.append([strategy + peer, f"{float(level):.0%}",
+                          *[number(by[s].get(key), "-") if s in by else "-" for s in seeds],
+                          f"{number(median.get(key), 'not reached')} ({median[f'seeds_reaching_{level}']} of "
+                          f"{len(seeds)} reached it)"])
+    return table(["strategy", "target", *[f"seed {s}" for s in seeds], "median"], cells)
+
+
+VGG_FC_RUNS = ("steps_across_seeds_vgg_fc", "steps_across_seeds_vgg_fc_variants")
+BLOCKS = (
+    Block("steps_across_seeds_vgg_fc", "Steps to 95% and 97% across seeds: vgg_fc, 4 ranks", VGG_FC_RUNS,
+          "DDP + torch's PowerSGD hook at the rank that reached 97% soonest in the time-to-accuracy sweep "
+          "(rank 4), at the same seeds; '-': not reached in 400 steps",
+          partial(render_steps_across_seeds, *VGG_FC_RUNS),
+          rerun="python bench/steps_across_seeds.py --model vgg_fc --seeds 0 1 2 3 4 --parallel 2"),
+)
+
+
+if __name__ == "__main__":
+    main()
