@@ -41,6 +41,12 @@ twice, in this order: without failures, then with a host killed every K steps
   if it recorded a step). These rows are ``<strategy> (host replaced)``; with
   ``--timeline`` each run records the rounds the job re-formed in after each
   kill (``rounds_after_kill``: their world, hosts and time).
+- ``--peer-elastic`` adds, for each DDP peer, a run with the same failures
+  and no spare: ``--nnodes 1:H``, as a DDP user without one would run it. The
+  survivors' agents re-form the job and every worker resumes the newest DCP
+  checkpoint (its state is replicated, so it loads on any world), each
+  worker's batch unchanged: the global batch shrinks with the world, and the
+  hook's state starts afresh as after any restart. Rows ``<peer> (elastic)``.
 
 The failures fall at the same steps for every strategy: the i-th at the
 first step from i x K that lies in the middle of the DDP peer's checkpoint
@@ -349,14 +355,15 @@ def job_entry(name: str, words: list[str], args: argparse.Namespace, out: Path, 
 
 
 class Job:
-    """One strategy's agents on a fresh emulated cluster, with their logs; hosts killed and replaced."""
+    """One strategy's agents on a fresh emulated cluster, with their logs; hosts killed and replaced.
+    ``elastic``: the agents admit 1 to H hosts (``--nnodes 1:H``), else exactly H."""
 
-    def __init__(self, name: str, words: list[str], cluster: EmulatedCluster, args: argparse.Namespace, work: Path):
+    def __init__(self, name: str, words: list[str], cluster: EmulatedCluster, args: argparse.Namespace, work: Path,
+                 elastic: bool):
         self.name, self.cluster, self.args, self.work = name, cluster, args, work
         self.entry = job_entry(name, words, args, work / "run", work / "ckpt")
         hosts = cluster.topology.hosts
-        # convoy goes on with the survivors; the peer needs its full world back.
-        self.nnodes = f"1:{hosts}" if _convoy(words) else str(hosts)
+        self.nnodes = f"1:{hosts}" if elastic else str(hosts)
         self.agents: dict[int, subprocess.Popen] = {}
         self.logs: list[Path] = []
         self._files: list[IO[str]] = []
@@ -403,13 +410,15 @@ def run_job(name: str, words: list[str], failures: list[Failure], args: argparse
             work: Path, replaced: bool = False) -> dict[str, Any]:
     """Strategy ``name`` (``words``: its own) to the target on a fresh cluster, ``failures`` injected; its row.
     ``replaced``: a lost host's agent is started again ``args.replace_after`` seconds after the kill, on the
-    same emulated host (its address and its cores), as the peer's always is; a convoy job then re-forms on the
-    full world (``--nnodes 1:H`` admits it) instead of going on with the survivors."""
-    replaced = replaced or not _convoy(words)   # the peer cannot go on without its full world
+    same emulated host (its address and its cores); a convoy job then re-forms on the full world (``--nnodes
+    1:H`` admits it) instead of going on with the survivors. A peer whose lost hosts are replaced runs under a
+    static ``--nnodes H`` (it waits for its full world); one whose are not, under ``--nnodes 1:H`` (torchrun
+    re-forms it on the survivors, each worker's batch unchanged, as DDP goes on)."""
+    elastic = _convoy(words) or (bool(failures) and not replaced)
     work.mkdir(parents=True)
     topology = Topology(args.hosts, parse_rate(args.rate), own_cores=True)
     with EmulatedCluster(topology) as cluster:
-        job = Job(name, words, cluster, args, work)
+        job = Job(name, words, cluster, args, work, elastic)
         began = time.monotonic()
         for host in range(args.hosts):
             job.start(host)
@@ -513,10 +522,11 @@ def plot(rows: list[dict[str, Any]], path: Path, target: float, title: str = "")
         if not row["curve"]:
             continue
         failing = row["failures"] != "none"
-        job = "DDP peer + DCP" if row.get("peer") else "convoy elastic, host replaced" if row.get("replaced") \
-            else "convoy elastic"
+        job = ("DDP peer + DCP, elastic" if _elastic_peer(row) else "DDP peer + DCP") if row.get("peer") else \
+            "convoy elastic, host replaced" if row.get("replaced") else "convoy elastic"
         label = f"{row['strategy']} ({job}){', a host killed ' + row['failures'] if failing else ''}"
-        style = "-" if not failing else "-." if row.get("replaced") and not row.get("peer") else "--"
+        style = "-" if not failing else "-." if (row.get("replaced") and not row.get("peer")) or _elastic_peer(row) \
+            else "--"
         kills = [kill["at"] for kill in row["kill_log"]]
         # One line per life of the job: nothing is trained between a kill and the restart.
         lives = [[p for p in row["curve"] if start <= p[0] < end]
@@ -544,8 +554,10 @@ def plot(rows: list[dict[str, Any]], path: Path, target: float, title: str = "")
 def planned_runs(strategies: list[str], commands: dict[str, list[str]], failures: list[Failure],
                  args: argparse.Namespace) -> list[tuple[str, list[Failure], bool]]:
     """The runs, in order: (strategy, failures injected, lost hosts replaced) for each strategy, without
-    failures, then with them (``--no-failures-only``, ``--failures-only``); with ``--convoy-replaced``,
-    a convoy strategy's run with failures once more, its lost hosts replaced as the peer's are.
+    failures, then with them (``--no-failures-only``, ``--failures-only``): a convoy strategy's lost
+    hosts are not replaced (it goes on with the survivors), a DDP peer's are. With ``--convoy-replaced``,
+    a convoy strategy's run with failures once more, its lost hosts replaced as the peer's are; with
+    ``--peer-elastic``, a peer's once more, its lost hosts not replaced (torchrun elastic).
 
     Example::
 
@@ -558,15 +570,23 @@ def planned_runs(strategies: list[str], commands: dict[str, list[str]], failures
         convoy = _convoy(commands[name])
         injected = [[]] if args.no_failures_only else [failures] if args.failures_only else [[], failures]
         for each in injected:
-            runs.append((name, each, bool(each) and not convoy))   # the peer's lost hosts are always replaced
-            if each and convoy and args.convoy_replaced:
-                runs.append((name, each, True))
+            runs.append((name, each, bool(each) and not convoy))
+            if each and (args.convoy_replaced if convoy else getattr(args, "peer_elastic", False)):
+                runs.append((name, each, convoy))   # the other case: replaced for convoy, not for the peer
     return runs
 
 
 def run_label(row: dict[str, Any]) -> str:
-    """A run's name in the tables and the plot: its strategy, and whether convoy's lost hosts were replaced."""
-    return f"{row['strategy']} (host replaced)" if row.get("replaced") and not row.get("peer") else row["strategy"]
+    """A run's name in the tables and the plot: its strategy, and whether its lost hosts were handled
+    otherwise than its kind's first run with failures (convoy's replaced, the peer's not)."""
+    if row.get("peer"):
+        return f"{row['strategy']} (elastic)" if _elastic_peer(row) else row["strategy"]
+    return f"{row['strategy']} (host replaced)" if row.get("replaced") else row["strategy"]
+
+
+def _elastic_peer(row: dict[str, Any]) -> bool:
+    """A peer's run with failures whose lost hosts were not replaced (torchrun --nnodes 1:H)."""
+    return bool(row.get("peer")) and row.get("failures", "none") != "none" and not row.get("replaced")
 
 
 ELIGIBLE = [name for name, command in STRATEGIES.items()
@@ -610,6 +630,10 @@ def main() -> None:
                         "failures and its lost host replaced as the peer's is (--replace-after; the same emulated "
                         "host, its cores included): the rendezvous re-forms the full world and convoy resumes on "
                         "it; rows '<strategy> (host replaced)' beside those that go on with the survivors")
+    parser.add_argument("--peer-elastic", action="store_true", help="also run each DDP peer with failures under "
+                        "torchrun --nnodes 1:H, its lost host not replaced: the survivors re-form the job and "
+                        "resume the newest DCP checkpoint, each worker's batch unchanged (the global batch "
+                        "shrinks, as DDP goes on); rows '<peer> (elastic)' beside the peer's run with a spare")
     parser.add_argument("--last-call", type=int, default=FAST_RENDEZVOUS["last_call_timeout"], help="seconds the "
                         "rendezvous waits for more hosts once it has the fewest it takes (convoy's elastic jobs: "
                         "also at the start; default: convoy.emulation.agents.FAST_RENDEZVOUS's)")
@@ -662,8 +686,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="convoy-failures-") as tmp:
         tmp = args.work or tmp
         for name, injected, replaced in planned_runs(args.strategies, commands, failures, args):
-            convoy_replaced = replaced and _convoy(commands[name])
-            work = Path(tmp, f"{name}-{'replaced' if convoy_replaced else 'failures' if injected else 'none'}")
+            work = Path(tmp, f"{name}-{'none' if not injected else 'replaced' if replaced else 'failures'}")
             try:
                 rows.append(run_job(name, commands[name], injected, args, work, replaced=replaced))
             except RuntimeError as exc:   # one failing run must not lose the others' figures
@@ -716,7 +739,8 @@ def render_train_through_failures(name: str) -> str:
         return times(row[key] / base) if base else "not reached without failures"
     cells = []
     for r in rows:
-        job = "DDP + DCP, torchrun restarts" if r.get("peer") else \
+        job = ("DDP + DCP, torchrun elastic, on the survivors" if _elastic_peer(r) else
+               "DDP + DCP, torchrun restarts") if r.get("peer") else \
             f"convoy, elastic, lost host replaced{replaced_when(settings)}" if r.get("replaced") else \
             "convoy, elastic" if r["failures"] == "none" else "convoy, elastic, on the survivors"
         failures = "none" if r["failures"] == "none" else \

@@ -127,7 +127,8 @@ def test_a_recovery_s_steps_are_read_from_the_agents_logs_and_the_workers_marks(
 
 
 def _args(**given) -> argparse.Namespace:
-    settings = {"no_failures_only": False, "failures_only": False, "convoy_replaced": False, "kill_every": 40,
+    settings = {"no_failures_only": False, "failures_only": False, "convoy_replaced": False, "peer_elastic": False,
+                "kill_every": 40,
                 "target": 0.97, "also_target": 0.95, "replace_after": 0.0}
     return argparse.Namespace(**{**settings, **given})
 
@@ -147,6 +148,30 @@ def test_convoy_replaced_adds_a_run_with_the_lost_host_replaced_for_each_convoy_
     # No failures, nothing to replace.
     assert planned_runs(names, commands, schedule, _args(convoy_replaced=True, no_failures_only=True)) == [
         ("blocktopk", [], False), ("peer", [], False)]
+
+
+def test_peer_elastic_adds_a_peer_run_whose_lost_host_is_not_replaced():
+    commands = {"blocktopk": STRATEGIES["blocktopk"], "peer": [PEER, "--powersgd-rank", "4"]}
+    schedule = [Failure(50, 2)]
+    assert planned_runs(["blocktopk", "peer"], commands, schedule, _args(peer_elastic=True)) == [
+        ("blocktopk", [], False), ("blocktopk", schedule, False), ("peer", [], False), ("peer", schedule, True),
+        ("peer", schedule, False)]
+
+
+def test_the_elastic_peer_ends_on_its_survivors_and_is_named_apart_from_the_peer_with_a_spare(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(figures, "RESULTS", tmp_path)
+    kills = [{"step": 10, "host": 2, "at": 10.0, "life": 0, "wall": 0.0}]
+    failing = _steps(0, range(10), 0.0) + _steps(1, range(0, 20), 20.0)   # back to its checkpoint at step 0
+    spare, elastic = (summarize("peer", [Failure(10, 2)], failing, kills, {0: 0, 1: 0, 2: -9}, [], 40.0, _args(),
+                                peer=True, replaced=flag) for flag in (True, False))
+    assert (spare["hosts_at_end"], spare["clean_exit"]) == (3, False)   # the replaced host must end well
+    assert (elastic["hosts_at_end"], elastic["clean_exit"]) == (2, True)   # the lost host is not waited for
+    (tmp_path / "probe.json").write_text(json.dumps({"settings": {"target": 0.97, "also_target": 0.95},
+                                                     "rows": [spare, elastic]}))
+    lines = render_train_through_failures("probe").splitlines()
+    assert lines[2].startswith("| peer | DDP + DCP, torchrun restarts |")
+    assert lines[3].startswith("| peer (elastic) | DDP + DCP, torchrun elastic, on the survivors |")
 
 
 def _steps(life: int, steps, start: float) -> list[dict]:
