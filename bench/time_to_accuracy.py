@@ -353,13 +353,18 @@ def _versus_powersgd(name: str, title: str, result: str, flags: str) -> Block:
     return Block(name, title, (result,), VERSUS_POWERSGD, partial(render_versus_peer, result),
                  rerun=f"python bench/time_to_accuracy.py {flags}", emulated=True)
 
+def _tuned(model: str, flags: str) -> Block:
+    """A block of one default run (the tuned peers, the floor, convoy's strategies) of ``model`` at 100 Mbit."""
+    result = f"time_to_accuracy_{model}_100mbit"
+    return Block(f"tta_{model}_100mbit_tuned", f"Time to 95% and 97%: {model}, 4 hosts at 100 Mbit, against the "
+                 "tuned peers", (result,), "the best of DDP + torch's PowerSGD hook at ranks 1, 2, 4, 8 (and rank 4 "
+                 "with 10% dense warm-up) and DDP's fp16 hook, in the same run; no-exchange is the floor",
+                 partial(render_tuned_peers, result), rerun=f"python bench/time_to_accuracy.py {flags}", emulated=True)
+
+
 BLOCKS = (
-    Block("tta_vgg_fc_100mbit_tuned", "Time to 95% and 97%: vgg_fc, 4 hosts at 100 Mbit, against the tuned peers",
-          ("time_to_accuracy_vgg_fc_100mbit",), "the best of DDP + torch's PowerSGD hook at ranks 1, 2, 4, 8 "
-          "(and rank 4 with 10% dense warm-up) and DDP's fp16 hook, in the same run; no-exchange is the floor",
-          partial(render_tuned_peers, "time_to_accuracy_vgg_fc_100mbit"),
-          rerun="python bench/time_to_accuracy.py --hosts 4 --rate 100mbit --model vgg_fc --target 0.97",
-          emulated=True),
+    _tuned("vgg_fc", "--hosts 4 --rate 100mbit --model vgg_fc --target 0.97"),
+    _tuned("resnet18", "--hosts 4 --rate 100mbit --model resnet18 --target 0.97 --eval-every 25"),
     Block("engine_vs_ddp_cluster", "Engine against torch DDP, 4 emulated hosts",
           ("engine_vs_ddp_cluster_1gbit", "engine_vs_ddp_cluster_100mbit"), "torch DDP", render_engine_vs_ddp_cluster,
           rerun="python bench/time_to_accuracy.py --strategies dense ddp --rate 1gbit|100mbit", emulated=True),

@@ -92,6 +92,17 @@ def test_the_ddp_peer_resumed_from_its_dcp_checkpoint_trains_the_same_steps_as_w
     assert after == {step: uninterrupted[step] for step in after}
 
 
+@pytest.mark.timeout(300)
+def test_the_ddp_peer_resumes_its_dcp_checkpoint_on_fewer_workers_as_torchrun_elastic_re_forms_it(tmp_path):
+    # --peer-elastic: a checkpoint written by 3 workers, resumed by the 2 that are left.
+    whole = tmp_path / "whole"
+    run_workers(_ddp, 3, str(whole), str(tmp_path / "run-whole"))
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole / "step-8", resumed / "step-8")
+    run_workers(_ddp, 2, str(resumed), str(tmp_path / "run-resumed"))
+    assert sorted(_losses(tmp_path / "run-resumed" / "metrics-rank0.jsonl")) == [8, 9, 10, 11]
+
+
 def test_the_tuned_peer_is_the_powersgd_rank_soonest_to_the_target_in_the_sweep_s_result():
     rank, why = tuned_peer_rank("vgg_fc", "100mbit")
     data = load("time_to_accuracy_vgg_fc_100mbit")
