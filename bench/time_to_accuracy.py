@@ -49,6 +49,7 @@ STRATEGIES: dict[str, list[str]] = {
     "blocktopk": ["train", "--compress", "blocktopk", "--block-fraction", "0.01"],
     "convoy-powersgd": ["train", "--compress", "powersgd", "--powersgd-rank", "2"],   # as earlier results ran it
     "convoy-powersgd-r4": ["train", "--compress", "powersgd", "--powersgd-rank", "4"],
+    "convoy-powersgd-r8": ["train", "--compress", "powersgd", "--powersgd-rank", "8"],
     "blocktopk-10%": ["train", "--compress", "blocktopk", "--block-fraction", "0.1"],
     "blocktopk-global": ["train", "--compress", "blocktopk", "--block-fraction", "0.01",
                          "--block-selection", "global"],

@@ -811,6 +811,16 @@ BLOCKS = (
                 "--strategies blocktopk convoy-powersgd tuned-peer --convoy-checkpoint-every auto --convoy-replaced "
                 "--timeline --tag checkpoint_auto",
           emulated=True),
+    Block("train_through_failures_peer_elastic", "Training through failures without a spare: convoy against DDP "
+          "under torchrun elastic", ("train_through_failures_vgg_fc_100mbit_peer_elastic",),
+          "torch DDP + torch's PowerSGD hook (at the rank named above the table) with a DCP checkpoint every 20 "
+          "steps, in the same run: restarted by torchrun on the full world with a spare host at once, and "
+          "re-formed on the survivors by torchrun --nnodes 1:4 (elastic, its workers' batch unchanged); and "
+          "each strategy without failures",
+          partial(render_train_through_failures, "train_through_failures_vgg_fc_100mbit_peer_elastic"),
+          rerun="flock /tmp/convoy-netns.lock python bench/train_through_failures.py --model vgg_fc --kill-every 80 "
+                "--strategies convoy-powersgd tuned-peer --convoy-checkpoint-every auto --peer-elastic --timeline "
+                "--tag peer_elastic", emulated=True),
     Block("train_through_failures_downtime", "Each failure's downtime, step by step, in the 4-host run above",
           ("train_through_failures_vgg_fc_100mbit",),
           "nothing: each step's time after the kill (the latest agent or rank to reach it) and since the step "
