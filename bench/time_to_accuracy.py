@@ -366,6 +366,12 @@ def _tuned(model: str, flags: str) -> Block:
 BLOCKS = (
     _tuned("vgg_fc", "--hosts 4 --rate 100mbit --model vgg_fc --target 0.97"),
     _tuned("resnet18", "--hosts 4 --rate 100mbit --model resnet18 --target 0.97 --eval-every 25"),
+    Block("tta_resnet18_100mbit_r8", "Time to 95% and 97%: resnet18, convoy's PowerSGD at the best peer's rank",
+          ("time_to_accuracy_resnet18_100mbit_convoy_r8",), "DDP + torch's PowerSGD hook at rank 8 (the best tuned "
+          "peer of the resnet18 run above) in the same run (the ratios are its time over each row's)",
+          partial(render_versus_peer, "time_to_accuracy_resnet18_100mbit_convoy_r8", peer="ddp-powersgd-r8"),
+          rerun="python bench/time_to_accuracy.py --hosts 4 --rate 100mbit --model resnet18 --target 0.97 "
+                "--eval-every 25 --strategies ddp-powersgd-r8 convoy-powersgd-r8 --tag convoy_r8", emulated=True),
     Block("engine_vs_ddp_cluster", "Engine against torch DDP, 4 emulated hosts",
           ("engine_vs_ddp_cluster_1gbit", "engine_vs_ddp_cluster_100mbit"), "torch DDP", render_engine_vs_ddp_cluster,
           rerun="python bench/time_to_accuracy.py --strategies dense ddp --rate 1gbit|100mbit", emulated=True),
