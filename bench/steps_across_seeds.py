@@ -29,9 +29,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import launcher, save  # noqa: E402
 from bench.figures import Block, number, rows_of, table  # noqa: E402
-from bench.time_to_accuracy import STRATEGIES, TUNED_PEERS, strategy_command  # noqa: E402
+from bench.time_to_accuracy import STRATEGIES, TUNED_PEERS, strategy_command, tuned_peer_rank  # noqa: E402
 
-DEFAULT_STRATEGIES = ["ddp-powersgd-r4", "convoy-powersgd-r4"]
+CONVOY_DEFAULT = "convoy-powersgd-r4"   # convoy train --compress powersgd at its default rank
+
+
+def default_strategies(model: str) -> list[str]:
+    """The hook at the rank that reached 97% soonest in the model's time-to-accuracy sweep at 100 Mbit
+    (its result file, the one record of that tuning), and convoy's PowerSGD at its default rank."""
+    return [f"ddp-powersgd-r{tuned_peer_rank(model, '100mbit')[0]}", CONVOY_DEFAULT]
 
 
 def run(name: str, seed: int, args: argparse.Namespace) -> dict:
@@ -83,11 +89,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (steps do not depend on it)")
     parser.add_argument("--tag", help="suffix of the result files' names")
-    parser.add_argument("--strategies", nargs="*", default=DEFAULT_STRATEGIES, choices=list(STRATEGIES),
-                        help=f"default: {' '.join(DEFAULT_STRATEGIES)}")
+    parser.add_argument("--strategies", nargs="*", choices=list(STRATEGIES),
+                        help="default: DDP + PowerSGD at the rank that reached 97%% soonest in the model's "
+                        f"time-to-accuracy sweep at 100 Mbit, and {CONVOY_DEFAULT}")
     parser.add_argument("--extra", action="append", default=[], metavar='NAME="FLAGS"',
                         help="another run: a name and its convoy train flags (a setting being tried)")
     args = parser.parse_args()
+    if args.strategies is None:
+        try:
+            args.strategies = default_strategies(args.model)
+        except ValueError as exc:   # no sweep for this model
+            parser.error(f"{exc}; or name the strategies with --strategies")
     args.target, args.cluster = max(args.targets), None   # what strategy_command reads
     args.extra = {name: ["train", *shlex.split(flags)]
                   for name, _, flags in (extra.partition("=") for extra in args.extra)}
@@ -129,7 +141,7 @@ VGG_FC_RUNS = ("steps_across_seeds_vgg_fc", "steps_across_seeds_vgg_fc_variants"
 BLOCKS = (
     Block("steps_across_seeds_vgg_fc", "Steps to 95% and 97% across seeds: vgg_fc, 4 ranks", VGG_FC_RUNS,
           "DDP + torch's PowerSGD hook at the rank that reached 97% soonest in the time-to-accuracy sweep "
-          "(rank 4), at the same seeds; '-': not reached in 400 steps",
+          "(the tuned peer row), at the same seeds; '-': not reached in 400 steps",
           partial(render_steps_across_seeds, *VGG_FC_RUNS),
           rerun="python bench/steps_across_seeds.py --model vgg_fc --seeds 0 1 2 3 4 --parallel 2"),
 )

@@ -77,6 +77,39 @@ STRATEGIES: dict[str, list[str]] = {
 DEFAULT_STRATEGIES = [FLOOR, *TUNED_PEERS, "dense", "convoy-powersgd-r4", "blocktopk", "fp16"]
 
 
+def tuned_peer_rank(model: str, rate: str) -> tuple[int, str]:
+    """The PowerSGD rank of the DDP + PowerSGD hook peer that reached the target soonest in
+    bench/time_to_accuracy.py's sweep of tuned peers for ``model`` at ``rate`` (its result file, the
+    one place the tuning is recorded), and why, in words.
+
+    Raises:
+        ValueError: no such result, or no PowerSGD peer in it reached its target.
+
+    Example::
+
+        >>> tuned_peer_rank("vgg_fc", "100mbit")
+        (4, 'ddp-powersgd-r4: the soonest of DDP + PowerSGD at ranks 1, 2, 4, 8 to 97% (65.8 s) in ...')
+    """
+    name = f"time_to_accuracy_{model}_{rate}"
+    data = load(name)
+    if data is None:
+        raise ValueError(f"no bench/results/{name}.json: run bench/time_to_accuracy.py --model {model} --rate {rate} "
+                         "(its tuned peers)")
+    # Plain PowerSGD peers only: a warm-up or the fp16 hook is another peer, not a rank of this one.
+    ranks = {row["strategy"]: int(TUNED_PEERS[row["strategy"]][2]) for row in data["rows"]
+             if TUNED_PEERS.get(row["strategy"], [None, None])[1:2] == ["--powersgd-rank"]
+             and len(TUNED_PEERS[row["strategy"]]) == 3}
+    timed = [(row["time_to_target_s"], row["strategy"]) for row in data["rows"]
+             if row["strategy"] in ranks and row.get("time_to_target_s")]
+    if not timed:
+        raise ValueError(f"bench/results/{name}.json: no DDP + PowerSGD peer reached its target")
+    seconds_, best = min(timed)
+    target = data["settings"].get("target", 0.97)
+    tried = ", ".join(str(r) for r in sorted(ranks.values()))
+    return ranks[best], (f"{best}: the soonest of DDP + PowerSGD at ranks {tried} to {target:.0%} "
+                         f"({seconds_:.1f} s) in bench/results/{name}.json")
+
+
 def strategy_command(name: str, args: argparse.Namespace, out: Path, words: list[str] | None = None) -> list[str]:
     """Strategy ``name``'s command (``train ...`` or ``SCRIPT.py ...``) with the run's flags (``args``:
     model, lr, batch_size, steps, eval_every, target, warmup_steps, hosts, cluster) and run folder ``out``;
@@ -353,6 +386,7 @@ def _versus_powersgd(name: str, title: str, result: str, flags: str) -> Block:
     """A block of one run's rows against DDP + PowerSGD in that run, measured by this script with ``flags``."""
     return Block(name, title, (result,), VERSUS_POWERSGD, partial(render_versus_peer, result),
                  rerun=f"python bench/time_to_accuracy.py {flags}", emulated=True)
+
 
 def _tuned(model: str, flags: str) -> Block:
     """A block of one default run (the tuned peers, the floor, convoy's strategies) of ``model`` at 100 Mbit."""

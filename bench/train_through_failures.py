@@ -89,7 +89,7 @@ from typing import IO, Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, save  # noqa: E402
 from bench.figures import Block, load, number, percent, seconds, table, times  # noqa: E402
-from bench.time_to_accuracy import PEER, STRATEGIES, TUNED_PEERS, strategy_command  # noqa: E402
+from bench.time_to_accuracy import PEER, STRATEGIES, strategy_command, tuned_peer_rank  # noqa: E402
 from convoy.emulation import EmulatedCluster, Topology, parse_rate  # noqa: E402
 from convoy.emulation.agents import FAST_RENDEZVOUS, agent_command, agent_environment, rdzv_conf  # noqa: E402
 from convoy.utils import timeline  # noqa: E402
@@ -309,39 +309,6 @@ def _convoy(words: list[str]) -> bool:
     return words[0] == "train"
 
 
-def tuned_peer_rank(model: str, rate: str) -> tuple[int, str]:
-    """The PowerSGD rank of the DDP + PowerSGD hook peer that reached the target soonest in
-    bench/time_to_accuracy.py's sweep of tuned peers for ``model`` at ``rate`` (its result file, the
-    one place the tuning is recorded), and why, in words.
-
-    Raises:
-        ValueError: no such result, or no PowerSGD peer in it reached its target.
-
-    Example::
-
-        >>> tuned_peer_rank("vgg_fc", "100mbit")
-        (4, 'ddp-powersgd-r4: the soonest of DDP + PowerSGD at ranks 1, 2, 4, 8 to 97% (65.8 s) in ...')
-    """
-    name = f"time_to_accuracy_{model}_{rate}"
-    data = load(name)
-    if data is None:
-        raise ValueError(f"no bench/results/{name}.json: run bench/time_to_accuracy.py --model {model} --rate {rate} "
-                         "(its tuned peers), or pass --peer-rank")
-    # Plain PowerSGD peers only: a warm-up or the fp16 hook is another peer, not a rank of this one.
-    ranks = {row["strategy"]: int(TUNED_PEERS[row["strategy"]][2]) for row in data["rows"]
-             if TUNED_PEERS.get(row["strategy"], [None, None])[1:2] == ["--powersgd-rank"]
-             and len(TUNED_PEERS[row["strategy"]]) == 3}
-    timed = [(row["time_to_target_s"], row["strategy"]) for row in data["rows"]
-             if row["strategy"] in ranks and row.get("time_to_target_s")]
-    if not timed:
-        raise ValueError(f"bench/results/{name}.json: no DDP + PowerSGD peer reached its target; pass --peer-rank")
-    seconds_, best = min(timed)
-    target = data["settings"].get("target", 0.97)
-    tried = ", ".join(str(r) for r in sorted(ranks.values()))
-    return ranks[best], (f"{best}: the soonest of DDP + PowerSGD at ranks {tried} to {target:.0%} "
-                         f"({seconds_:.1f} s) in bench/results/{name}.json")
-
-
 def job_entry(name: str, words: list[str], args: argparse.Namespace, out: Path, checkpoints: Path) -> list[str]:
     """What torchrun starts on each host for strategy ``name`` (``words``: its own, as in
     bench/time_to_accuracy.py's STRATEGIES): its command with the run's flags, checkpointing into
@@ -414,7 +381,7 @@ def run_job(name: str, words: list[str], failures: list[Failure], args: argparse
     1:H`` admits it) instead of going on with the survivors. A peer whose lost hosts are replaced runs under a
     static ``--nnodes H`` (it waits for its full world); one whose are not, under ``--nnodes 1:H`` (torchrun
     re-forms it on the survivors, each worker's batch unchanged, as DDP goes on)."""
-    elastic = _convoy(words) or (bool(failures) and not replaced)
+    elastic = _runs_elastic(not _convoy(words), bool(failures), replaced)
     work.mkdir(parents=True)
     topology = Topology(args.hosts, parse_rate(args.rate), own_cores=True)
     with EmulatedCluster(topology) as cluster:
@@ -571,7 +538,7 @@ def planned_runs(strategies: list[str], commands: dict[str, list[str]], failures
         injected = [[]] if args.no_failures_only else [failures] if args.failures_only else [[], failures]
         for each in injected:
             runs.append((name, each, bool(each) and not convoy))
-            if each and (args.convoy_replaced if convoy else getattr(args, "peer_elastic", False)):
+            if each and (args.convoy_replaced if convoy else args.peer_elastic):
                 runs.append((name, each, convoy))   # the other case: replaced for convoy, not for the peer
     return runs
 
@@ -584,9 +551,16 @@ def run_label(row: dict[str, Any]) -> str:
     return f"{row['strategy']} (host replaced)" if row.get("replaced") else row["strategy"]
 
 
+def _runs_elastic(peer: bool, failing: bool, replaced: bool) -> bool:
+    """Whether a run's agents admit 1 to H hosts: convoy's always; a DDP peer's only when it has failures
+    and its lost hosts are not replaced (else it waits for its full world)."""
+    return not peer or (failing and not replaced)
+
+
 def _elastic_peer(row: dict[str, Any]) -> bool:
-    """A peer's run with failures whose lost hosts were not replaced (torchrun --nnodes 1:H)."""
-    return bool(row.get("peer")) and row.get("failures", "none") != "none" and not row.get("replaced")
+    """A peer's run that ran elastic (torchrun --nnodes 1:H, its lost hosts not replaced)."""
+    return bool(row.get("peer")) and _runs_elastic(True, row.get("failures", "none") != "none",
+                                                   bool(row.get("replaced")))
 
 
 ELIGIBLE = [name for name, command in STRATEGIES.items()
@@ -674,7 +648,7 @@ def main() -> None:
             try:
                 args.peer_rank, args.peer_rank_why = tuned_peer_rank(args.model, args.rate)
             except ValueError as exc:
-                print(f"train_through_failures: error: {exc}", file=sys.stderr)
+                print(f"train_through_failures: error: {exc}; or pass --peer-rank", file=sys.stderr)
                 sys.exit(2)
         peer = f"ddp-powersgd-r{args.peer_rank}"
         commands[peer] = [PEER, "--powersgd-rank", str(args.peer_rank)]

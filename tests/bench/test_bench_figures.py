@@ -6,7 +6,8 @@ import pytest
 
 from bench.accuracy_at_budget import accuracy_at, budget_rows
 from bench.common import launcher
-from bench.steps_across_seeds import medians
+from bench.steps_across_seeds import default_strategies, medians
+from bench.time_to_accuracy import tuned_peer_rank
 from bench.time_to_accuracy import step_figures
 
 
@@ -203,3 +204,10 @@ def test_medians_are_per_strategy_and_take_the_lower_middle_of_an_even_count():
     rows = [{"strategy": name, "seed": seed, "steps_to_0.95": steps}
             for name, runs in (("a", [100, 140]), ("b", [180, 160, 120])) for seed, steps in enumerate(runs)]
     assert [(m["strategy"], m["steps_to_0.95"]) for m in medians(rows, [0.95])] == [("a", 100), ("b", 160)]
+
+
+def test_the_seeds_default_peer_is_the_sweep_s_best_rank_for_the_model():
+    for model in ("vgg_fc", "resnet18"):
+        peer, convoy = default_strategies(model)
+        assert peer == f"ddp-powersgd-r{tuned_peer_rank(model, '100mbit')[0]}" and convoy == "convoy-powersgd-r4"
+    assert default_strategies("vgg_fc")[0] != default_strategies("resnet18")[0]   # tuned per model, not typed

@@ -11,10 +11,10 @@ import pytest
 from bench import figures
 from bench.peers.ddp_train import complete_checkpoints, train_ddp
 from bench.figures import load
-from bench.time_to_accuracy import PEER, STRATEGIES
+from bench.time_to_accuracy import PEER, STRATEGIES, tuned_peer_rank
 from bench.train_through_failures import (Failure, MetricsTail, downtime_parts, kill_schedule, planned_runs,
                                           render_downtime, render_train_through_failures, rounds_joined,
-                                          steps_redone, summarize, time_to, tuned_peer_rank)
+                                          steps_redone, summarize, time_to)
 from convoy.utils import timeline
 from tests.helpers import run_workers
 
@@ -112,7 +112,7 @@ def test_the_tuned_peer_is_the_powersgd_rank_soonest_to_the_target_in_the_sweep_
     assert f"ddp-powersgd-r{rank}" == soonest and why.startswith(f"{soonest}: the soonest"), (rank, why)
     # The warm-up and fp16 peers are other peers, not ranks of this one, whatever their times.
     assert "warm" not in why and "fp16" not in why
-    with pytest.raises(ValueError, match="--peer-rank"):
+    with pytest.raises(ValueError, match="run bench/time_to_accuracy.py --model vgg_fc --rate no-such-rate"):
         tuned_peer_rank("vgg_fc", "no-such-rate")
 
 
