@@ -119,13 +119,15 @@ def main() -> None:
 
 def render_steps_across_seeds(*names: str) -> str:
     """Per strategy, the steps to each target at every seed, then the median over the seeds (the runs
-    of ``names``, at the same seeds)."""
-    rows = rows_of(*names)
+    of ``names``: one run, or several at other seeds of the same strategies)."""
+    rows = [r for r in rows_of(*names) if r["seed"] != "median"]
     keys = sorted({k for r in rows for k in r if k.startswith("steps_to_")})
-    seeds = list(dict.fromkeys(r["seed"] for r in rows if r["seed"] != "median"))
+    seeds = list(dict.fromkeys(r["seed"] for r in rows))
+    # The medians over every file's seeds (one run's stored medians cover only its own seeds).
+    overall = {r["strategy"]: r for r in medians(rows, [float(k.removeprefix("steps_to_")) for k in keys])}
     cells = []
     for strategy in dict.fromkeys(r["strategy"] for r in rows):
-        by = {r["seed"]: r for r in rows if r["strategy"] == strategy}
+        by = {r["seed"]: r for r in rows if r["strategy"] == strategy} | {"median": overall[strategy]}
         peer = " (tuned peer)" if strategy in TUNED_PEERS else ""
         for key in keys:
             level = key.removeprefix("steps_to_")

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, launcher, save  # noqa: E402
 from bench.figures import Block, load, loaded, number, percent, rows_of, seconds, table, times  # noqa: E402
+from convoy.sim.catalog import PEER_POWERSGD_RANKS  # noqa: E402
 
 PEER = str(Path(__file__).resolve().parent / "peers" / "ddp_train.py")
 TWO_RACKS = str(Path(__file__).resolve().parent / "two_racks.toml")
@@ -34,7 +35,7 @@ TENTH_OF_STEPS = "<10% of steps>"
 # The peers a DDP user would tune among: torch's PowerSGD hook over a sweep of ranks, with and without
 # the advised dense warm-up, and DDP's fp16 hook. Each run compares every row against the best of these.
 TUNED_PEERS: dict[str, list[str]] = {
-    **{f"ddp-powersgd-r{rank}": [PEER, "--powersgd-rank", str(rank)] for rank in (1, 2, 4, 8)},
+    **{f"ddp-powersgd-r{rank}": [PEER, "--powersgd-rank", str(rank)] for rank in PEER_POWERSGD_RANKS},
     "ddp-powersgd-r4-warm10": [PEER, "--powersgd-rank", "4", "--powersgd-start", TENTH_OF_STEPS],
     "ddp-fp16": [PEER, "--fp16-hook"],
 }
@@ -50,6 +51,7 @@ STRATEGIES: dict[str, list[str]] = {
     "convoy-powersgd": ["train", "--compress", "powersgd", "--powersgd-rank", "2"],   # as earlier results ran it
     "convoy-powersgd-r4": ["train", "--compress", "powersgd", "--powersgd-rank", "4"],
     "convoy-powersgd-r8": ["train", "--compress", "powersgd", "--powersgd-rank", "8"],
+    "convoy-powersgd-r16": ["train", "--compress", "powersgd", "--powersgd-rank", "16"],
     "blocktopk-10%": ["train", "--compress", "blocktopk", "--block-fraction", "0.1"],
     "blocktopk-global": ["train", "--compress", "blocktopk", "--block-fraction", "0.01",
                          "--block-selection", "global"],
@@ -392,8 +394,8 @@ def _tuned(model: str, flags: str) -> Block:
     """A block of one default run (the tuned peers, the floor, convoy's strategies) of ``model`` at 100 Mbit."""
     result = f"time_to_accuracy_{model}_100mbit"
     return Block(f"tta_{model}_100mbit_tuned", f"Time to 95% and 97%: {model}, 4 hosts at 100 Mbit, against the "
-                 "tuned peers", (result,), "the best of DDP + torch's PowerSGD hook at ranks 1, 2, 4, 8 (and rank 4 "
-                 "with 10% dense warm-up) and DDP's fp16 hook, in the same run; no-exchange is the floor",
+                 "tuned peers", (result,), "the best of the run's tuned peers: DDP + torch's PowerSGD hook at each rank "
+                 "of its rows (and rank 4 with 10% dense warm-up) and DDP's fp16 hook; no-exchange is the floor",
                  partial(render_tuned_peers, result), rerun=f"python bench/time_to_accuracy.py {flags}", emulated=True)
 
 

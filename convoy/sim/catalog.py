@@ -94,10 +94,15 @@ def candidates(nodes: int, racks: int = 1, has_head: bool = True, costs: CpuCost
     return out
 
 
+# The ranks of torch's PowerSGD hook a DDP user sweeps. 16 because resnet18 on digits needed fewer
+# steps at each rank up to 8 and as few at 16 (bench/steps_across_seeds.py).
+PEER_POWERSGD_RANKS = (1, 2, 4, 8, 16)
+
+
 def peers(costs: CpuCosts | None = None) -> list[Strategy]:
     """What a user would run instead of convoy: torch DDP, and DDP with torch's PowerSGD hook at each
-    rank a user would sweep."""
-    return [TorchDDP(0, costs=costs)] + [TorchDDP(rank, costs=costs) for rank in (1, 2, 4, 8)]
+    rank a user would sweep (:data:`PEER_POWERSGD_RANKS`)."""
+    return [TorchDDP(0, costs=costs)] + [TorchDDP(rank, costs=costs) for rank in PEER_POWERSGD_RANKS]
 
 
 def from_flags(flags: list[str], nodes: int, costs: CpuCosts | None = None) -> Strategy:

@@ -6,7 +6,7 @@ import pytest
 
 from bench.accuracy_at_budget import accuracy_at, budget_rows
 from bench.common import launcher
-from bench.steps_across_seeds import default_strategies, medians
+from bench.steps_across_seeds import default_strategies, medians, render_steps_across_seeds
 from bench.time_to_accuracy import tuned_peer_rank
 from bench.time_to_accuracy import step_figures
 
@@ -204,6 +204,21 @@ def test_medians_are_per_strategy_and_take_the_lower_middle_of_an_even_count():
     rows = [{"strategy": name, "seed": seed, "steps_to_0.95": steps}
             for name, runs in (("a", [100, 140]), ("b", [180, 160, 120])) for seed, steps in enumerate(runs)]
     assert [(m["strategy"], m["steps_to_0.95"]) for m in medians(rows, [0.95])] == [("a", 100), ("b", 160)]
+
+
+def test_runs_at_other_seeds_render_as_one_table_with_the_median_over_all_of_them(tmp_path, monkeypatch):
+    from bench import figures
+    monkeypatch.setattr(figures, "RESULTS", tmp_path)
+
+    def run(name, steps_by_seed):
+        rows = [{"strategy": "a", "seed": seed, "steps_to_0.95": steps} for seed, steps in steps_by_seed.items()]
+        stored = medians(rows, [0.95])   # each run stores the median of its own seeds only
+        (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows + stored}))
+    run("first", {0: 100, 1: 100, 2: 300})
+    run("more", {3: 300, 4: 300})
+    last = render_steps_across_seeds("first", "more").splitlines()[-1]
+    assert [c.strip() for c in last.strip("|").split("|")] == \
+        ["a", "95%", "100", "100", "300", "300", "300", "300 (5 of 5 reached it)"]
 
 
 def test_the_seeds_default_peer_is_the_sweep_s_best_rank_for_the_model():

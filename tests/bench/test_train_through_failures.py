@@ -15,6 +15,7 @@ from bench.time_to_accuracy import PEER, STRATEGIES, tuned_peer_rank
 from bench.train_through_failures import (Failure, MetricsTail, downtime_parts, kill_schedule, planned_runs,
                                           render_downtime, render_train_through_failures, rounds_joined,
                                           steps_redone, summarize, time_to)
+from convoy.sim.catalog import PEER_POWERSGD_RANKS
 from convoy.utils import timeline
 from tests.helpers import run_workers
 
@@ -107,7 +108,7 @@ def test_the_tuned_peer_is_the_powersgd_rank_soonest_to_the_target_in_the_sweep_
     rank, why = tuned_peer_rank("vgg_fc", "100mbit")
     data = load("time_to_accuracy_vgg_fc_100mbit")
     plain = {row["strategy"]: row["time_to_target_s"] for row in data["rows"]
-             if row["strategy"] in {f"ddp-powersgd-r{r}" for r in (1, 2, 4, 8)} and row["time_to_target_s"]}
+             if row["strategy"] in {f"ddp-powersgd-r{r}" for r in PEER_POWERSGD_RANKS} and row["time_to_target_s"]}
     soonest = min(plain, key=plain.get)
     assert f"ddp-powersgd-r{rank}" == soonest and why.startswith(f"{soonest}: the soonest"), (rank, why)
     # The warm-up and fp16 peers are other peers, not ranks of this one, whatever their times.

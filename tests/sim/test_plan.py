@@ -10,7 +10,7 @@ from convoy.cli.main import build_parser, main
 from convoy.cli.plan import available, rank, train_choices, train_flags
 from convoy.cli.train import config_from_args
 from convoy.compress import DEFAULT_POWERSGD_RANK
-from convoy.sim.catalog import candidates
+from convoy.sim.catalog import PEER_POWERSGD_RANKS, candidates
 from convoy.sim.cluster import Cluster
 from convoy.sim.profile import LayerProfile, ModelProfile
 
@@ -217,7 +217,7 @@ def test_the_peers_are_ranked_beside_convoy_and_plan_says_who_wins(capsys):
     assert peer["peer"] and peer["available"] and not peer["node_commands"]
     assert peer["command"].startswith("torchrun --nproc-per-node 4 bench/peers/ddp_train.py")
     assert "--compress powersgd" in by_name[f"allreduce powersgd {DEFAULT_POWERSGD_RANK}"]["command"]
-    assert {f"ddp powersgd {rank}" for rank in (1, 2, 4, 8)} <= set(by_name)   # the rank sweep a user runs
+    assert {f"ddp powersgd {rank}" for rank in PEER_POWERSGD_RANKS} <= set(by_name)   # the rank sweep a user runs
     line = verdict(rows)
     best_ours = next(r for r in rows if not r["peer"])
     best_peer = next(r for r in rows if r["peer"])
