@@ -226,3 +226,20 @@ def test_the_seeds_default_peer_is_the_sweep_s_best_rank_for_the_model():
         peer, convoy = default_strategies(model)
         assert peer == f"ddp-powersgd-r{tuned_peer_rank(model, '100mbit')[0]}" and convoy == "convoy-powersgd-r4"
     assert default_strategies("vgg_fc")[0] != default_strategies("resnet18")[0]   # tuned per model, not typed
+
+
+def test_the_headline_compares_with_the_soonest_tuned_peer_where_the_suite_ran_them(tmp_path, monkeypatch):
+    from bench import figures, suite
+    monkeypatch.setattr(figures, "RESULTS", tmp_path)
+    monkeypatch.setattr(suite, "SUITE_FILES", {("vgg_fc", "100mbit"): ("one_run",)})
+
+    def row(strategy, seconds_):
+        return {"model": "vgg_fc", "rate": "100mbit", "strategy": strategy, "time_to_target_s": seconds_,
+                "final_accuracy": 0.97}
+    rows = [row("ddp", 100.0), row("ddp-powersgd-r4", 60.0), row("ddp-powersgd-r16", 40.0), row("convoy", 20.0)]
+    (tmp_path / "one_run.json").write_text(json.dumps({"rows": rows}))
+    table = suite.render_headline()
+    assert "vs the best tuned peer (ddp-powersgd-r16)" in table and "| convoy | 20 s, 2.00x |" in table
+    # A suite from before the tuned peers keeps torch DDP as the reference.
+    (tmp_path / "one_run.json").write_text(json.dumps({"rows": [rows[0], rows[3]]}))
+    assert "| convoy | 20 s, 5.00x |" in suite.render_headline()
