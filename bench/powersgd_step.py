@@ -393,8 +393,10 @@ def render_powersgd_step() -> str:
                   "convoy wall / floor", "forward waiting", "forward waiting, P blocking"], cells)
 
 
-# The same-run step tables beside the loopback one above: emulated hosts at 100 Mbit, and 4 ranks on loopback.
-STEP_ON_HOSTS = ("powersgd_step_4hosts_100mbit", "powersgd_step_2hosts_100mbit", "powersgd_step_world4")
+# The same-run step tables beside the loopback one above: emulated hosts at 100 Mbit (resnet18 again at the
+# ranks its tuned peer came to, 8 and 16), and 4 ranks on loopback.
+STEP_ON_HOSTS = ("powersgd_step_4hosts_100mbit", "powersgd_step_4hosts_100mbit_resnet18_r16",
+                 "powersgd_step_2hosts_100mbit", "powersgd_step_world4")
 
 
 def _links(settings: dict) -> str:

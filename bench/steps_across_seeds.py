@@ -128,7 +128,7 @@ def render_steps_across_seeds(*names: str) -> str:
     cells = []
     for strategy in dict.fromkeys(r["strategy"] for r in rows):
         by = {r["seed"]: r for r in rows if r["strategy"] == strategy} | {"median": overall[strategy]}
-        peer = " (tuned peer)" if strategy in TUNED_PEERS else ""
+        peer = " (peer)" if strategy in TUNED_PEERS else ""
         for key in keys:
             level = key.removeprefix("steps_to_")
             median = by["median"]
@@ -139,13 +139,22 @@ def render_steps_across_seeds(*names: str) -> str:
     return table(["strategy", "target", *[f"seed {s}" for s in seeds], "median"], cells)
 
 
-VGG_FC_RUNS = ("steps_across_seeds_vgg_fc", "steps_across_seeds_vgg_fc_variants")
+VGG_FC_RUNS = ("steps_across_seeds_vgg_fc", "steps_across_seeds_vgg_fc_variants", "steps_across_seeds_vgg_fc_hook_r16")
+# Seeds 0-2, then 3-4 of the same strategies, then convoy's rank 16 without momentum correction.
+RESNET18_RUNS = ("steps_across_seeds_resnet18_exp_r16", "steps_across_seeds_resnet18_exp_r16_seeds34",
+                 "steps_across_seeds_resnet18_r16_no_mc")
 BLOCKS = (
     Block("steps_across_seeds_vgg_fc", "Steps to 95% and 97% across seeds: vgg_fc, 4 ranks", VGG_FC_RUNS,
-          "DDP + torch's PowerSGD hook at the rank that reached 97% soonest in the time-to-accuracy sweep "
-          "(the tuned peer row), at the same seeds; '-': not reached in 400 steps",
+          "DDP + torch's PowerSGD hook (the rows marked peer) at the rank that reached 97% soonest in the "
+          "time-to-accuracy sweep, and at rank 16, at the same seeds; '-': not reached in 400 steps",
           partial(render_steps_across_seeds, *VGG_FC_RUNS),
           rerun="python bench/steps_across_seeds.py --model vgg_fc --seeds 0 1 2 3 4 --parallel 2"),
+    Block("steps_across_seeds_resnet18", "Steps to 95% and 97% across seeds: resnet18, 4 ranks", RESNET18_RUNS,
+          "DDP + torch's PowerSGD hook (the rows marked peer) at ranks 8 (the soonest of the time-to-accuracy "
+          "sweep up to 8) and 16, at the same seeds, evaluated every 25 steps",
+          partial(render_steps_across_seeds, *RESNET18_RUNS),
+          rerun="python bench/steps_across_seeds.py --model resnet18 --eval-every 25 --seeds 0 1 2 3 4 --parallel 2 "
+                "--strategies ddp-powersgd-r16 ddp-powersgd-r8 convoy-powersgd-r16"),
 )
 
 
