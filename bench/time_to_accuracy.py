@@ -90,7 +90,7 @@ def tuned_peer_rank(model: str, rate: str) -> tuple[int, str]:
     Example::
 
         >>> tuned_peer_rank("vgg_fc", "100mbit")
-        (4, 'ddp-powersgd-r4: the soonest of DDP + PowerSGD at ranks 1, 2, 4, 8 to 97% (65.8 s) in ...')
+        (4, 'ddp-powersgd-r4: the soonest of DDP + PowerSGD at ranks 1, 2, 4, 8, 16 to 97% (62.2 s) in ...')
     """
     name = f"time_to_accuracy_{model}_{rate}"
     data = load(name)

@@ -94,8 +94,8 @@ def candidates(nodes: int, racks: int = 1, has_head: bool = True, costs: CpuCost
     return out
 
 
-# The ranks of torch's PowerSGD hook a DDP user sweeps. 16 because resnet18 on digits needed fewer
-# steps at each rank up to 8 and as few at 16 (bench/steps_across_seeds.py).
+# The ranks of torch's PowerSGD hook a DDP user sweeps. Up to 16 because resnet18 on digits needed
+# fewer steps at each doubling up to 8, and at 16 fewer to 95% and as few to 97% (bench/steps_across_seeds.py).
 PEER_POWERSGD_RANKS = (1, 2, 4, 8, 16)
 
 
