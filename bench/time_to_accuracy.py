@@ -98,9 +98,8 @@ def tuned_peer_rank(model: str, rate: str) -> tuple[int, str]:
         raise ValueError(f"no bench/results/{name}.json: run bench/time_to_accuracy.py --model {model} --rate {rate} "
                          "(its tuned peers)")
     # Plain PowerSGD peers only: a warm-up or the fp16 hook is another peer, not a rank of this one.
-    ranks = {row["strategy"]: int(TUNED_PEERS[row["strategy"]][2]) for row in data["rows"]
-             if TUNED_PEERS.get(row["strategy"], [None, None])[1:2] == ["--powersgd-rank"]
-             and len(TUNED_PEERS[row["strategy"]]) == 3}
+    swept = {f"ddp-powersgd-r{rank}": rank for rank in PEER_POWERSGD_RANKS}
+    ranks = {row["strategy"]: swept[row["strategy"]] for row in data["rows"] if row["strategy"] in swept}
     timed = [(row["time_to_target_s"], row["strategy"]) for row in data["rows"]
              if row["strategy"] in ranks and row.get("time_to_target_s")]
     if not timed:
