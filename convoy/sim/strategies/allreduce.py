@@ -31,8 +31,10 @@ class LayerRing(Strategy):
     Args:
         compression: what each layer's gradient becomes on the wire.
         costs: this machine's CPU costs (compression, bytes moved).
-        bucket_mb: exchange consecutive layers together until a payload holds this
-            many MB (the engine's ``bucket_bytes``; 0, ``convoy train``'s setting, is one per layer).
+        bucket_mb: exchange consecutive layers together until their gradients hold
+            this many MB, as the engine's ``bucket_bytes`` does; 0 (the default here)
+            is one per layer. ``convoy train``'s engine keeps its own default
+            (``convoy.engine.engine.DEFAULT_BUCKET_BYTES``), which this does not model.
 
     Example::
 

@@ -21,7 +21,7 @@ _MIB = 1 << 20
 
 def ddp_buckets(layers: tuple[LayerProfile, ...], bucket_mb: float = 25, first_mb: float = 1) -> list[list[int]]:
     """Layer indices per bucket, in the order DDP all-reduces them (caps of 0: one layer each,
-    as convoy's engine exchanges by default).
+    as convoy's engine exchanges with ``bucket_bytes=0``).
 
     Example::
 
