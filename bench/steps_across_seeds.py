@@ -151,7 +151,7 @@ BLOCKS = (
           rerun="python bench/steps_across_seeds.py --model vgg_fc --seeds 0 1 2 3 4 --parallel 2"),
     Block("steps_across_seeds_resnet18", "Steps to 95% and 97% across seeds: resnet18, 4 ranks", RESNET18_RUNS,
           "DDP + torch's PowerSGD hook (the rows marked peer) at ranks 8 (the soonest of the time-to-accuracy "
-          "sweep up to 8) and 16, at the same seeds, evaluated every 25 steps",
+          "sweep, up to 16 since it was extended) and 16, at the same seeds, evaluated every 25 steps",
           partial(render_steps_across_seeds, *RESNET18_RUNS),
           rerun="python bench/steps_across_seeds.py --model resnet18 --eval-every 25 --seeds 0 1 2 3 4 --parallel 2 "
                 "--strategies ddp-powersgd-r16 ddp-powersgd-r8 convoy-powersgd-r16"),
