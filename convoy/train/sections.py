@@ -306,9 +306,9 @@ class CompressConfig:
                                      "accumulate the velocity on each worker and compress that (error feedback "
                                      "on the velocity), applying the average without the optimizer's momentum")
     clip_norm: float = _opt(5.0, "with momentum correction: clip the local gradient of each bucket the engine "
-                            f"exchanges (consecutive layers holding at least {DEFAULT_BUCKET_BYTES >> 20} MB; a "
-                            "larger layer is a bucket of its own; under --sync ps, every layer) to this L2 norm / sqrt(workers) before "
-                            "accumulating it")
+                            "exchanges (consecutive layers in backward order until they hold "
+                            f"{DEFAULT_BUCKET_BYTES >> 20} MB; under --sync ps, each layer) to this L2 norm / "
+                            "sqrt(workers) before accumulating it")
     sparse_lr_scale: float = _opt(1.2, f"{', '.join(sparse_names())} without --lr: the model's default rate times "
                                   "this (a sparse update arrives late; 1.2 measured on vgg_fc, docs/compression.md)")
 
