@@ -293,8 +293,13 @@ class PowerSGDCompressor(Compressor):
             if segment.low_rank:
                 q = wire[position:position + segment.cols * self.rank].view(segment.cols, self.rank)
                 shape = (segment.rows, segment.cols)
-                torch.addmm(flat[segment.offset:end].view(shape), next(bases), q.T, alpha=-1,
-                            out=out[segment.offset:end].view(shape))
+                into, basis = out[segment.offset:end].view(shape), next(bases)
+                if self.rank == 1:
+                    # At rank 1 addmm may fuse each multiply with the subtraction (one rounding; MKL on
+                    # an AVX-512 Xeon does), where matmul rounds the product: subtract matmul's product.
+                    torch.sub(flat[segment.offset:end].view(shape), torch.matmul(basis, q.T), out=into)
+                else:
+                    torch.addmm(flat[segment.offset:end].view(shape), basis, q.T, alpha=-1, out=into)
                 position += segment.cols * self.rank
             else:
                 torch.sub(flat[segment.offset:end], wire[position:position + segment.numel],
