@@ -41,7 +41,7 @@ class MomentumCorrection(Memory):
 
     Args:
         momentum: ``m``, the optimizer's momentum, which this memory takes over.
-        clip_norm: clip each layer's local gradient to this L2 norm divided by
+        clip_norm: clip each parameter's local gradient to this L2 norm divided by
             ``sqrt(world_size)`` (so the average obeys ``clip_norm``); None: no clipping.
         world_size: workers averaging the gradient.
         weight_decay: added to the gradient (``g + wd * w``) before it enters
@@ -70,7 +70,9 @@ class MomentumCorrection(Memory):
             raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
         super().__init__()
         self.momentum, self.weight_decay, self.masking = momentum, weight_decay, masking
-        self.needs_params = weight_decay != 0.0
+        # The parameters mark where each one's gradient lies in a bucket's flat gradient: clipping is per
+        # parameter, so a step's numerics do not depend on how the engine groups layers into buckets.
+        self.needs_params = weight_decay != 0.0 or clip_norm is not None
         self.local_clip = None if clip_norm is None else clip_norm / math.sqrt(world_size)
         self.velocities: dict[str, torch.Tensor] = {}
         self.residuals: dict[str, torch.Tensor] = {}
@@ -82,7 +84,7 @@ class MomentumCorrection(Memory):
         # rounding: ``u = (m * u) + (clip * g + wd * w)``. The clipped, decayed gradient is built in
         # the compensated buffer, which is then overwritten with ``residual + u``; ``tensor`` is only read.
         compensated = self.compensated_buffer(name, tensor)
-        gradient = self._decayed(self._clipped(tensor, compensated), params, compensated)
+        gradient = self._decayed(self._clipped(tensor, params, compensated), params, compensated)
         previous = self.velocities.get(name)
         velocity = self.new_tensor(f"velocity.{name}", tensor)
         if previous is None:
@@ -136,9 +138,22 @@ class MomentumCorrection(Memory):
             offset = end
         return out
 
-    def _clipped(self, tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``tensor`` clipped to the local norm: scaled into ``out`` when it is longer, else itself."""
+    def _clipped(self, tensor: torch.Tensor, params: torch.Tensor | Sequence[torch.Tensor] | None,
+                 out: torch.Tensor) -> torch.Tensor:
+        """``tensor`` with each parameter's gradient clipped to the local norm: scaled into ``out``
+        where one is longer (the rest copied), else ``tensor`` itself. Parameters given one by one
+        mark where each gradient lies; flat or absent, ``tensor`` is one gradient."""
         if self.local_clip is None:
             return tensor
-        norm = float(torch.linalg.vector_norm(tensor))
-        return torch.mul(tensor, self.local_clip / norm, out=out) if norm > self.local_clip else tensor
+        flat = tensor.reshape(-1)
+        sizes = [flat.numel()] if params is None or isinstance(params, torch.Tensor) else [p.numel() for p in params]
+        pieces = flat.split(sizes)
+        norms = torch.stack([torch.linalg.vector_norm(piece) for piece in pieces]).tolist()
+        if all(norm <= self.local_clip for norm in norms):
+            return tensor
+        for piece, into, norm in zip(pieces, out.view(-1).split(sizes), norms):
+            if norm > self.local_clip:
+                torch.mul(piece, self.local_clip / norm, out=into)
+            elif into.data_ptr() != piece.data_ptr():
+                into.copy_(piece)
+        return out

@@ -27,7 +27,6 @@ from convoy.cluster import (DEFAULT_CLUSTERS, DEFAULT_REELECT_EVERY, DEFAULT_SER
 from convoy.compress import (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCKS_PER_LAYER, DEFAULT_DENSE_BELOW,
                              DEFAULT_ELEMENT_FRACTION, DEFAULT_METRIC, DEFAULT_POWERSGD_RANK, DEFAULT_SELECTION,
                              compressor_names, momentum_corrected_names, sparse_names)
-from convoy.engine.engine import DEFAULT_BUCKET_BYTES
 from convoy.errors import UsageError
 from convoy.ps.settings import DEFAULT_CHANNELS, DEFAULT_CREDIT_KB, DEFAULT_PRIORITY, DEFAULT_SLICE_KB
 from convoy.runtime import DEFAULT_TIMEOUT_S
@@ -305,10 +304,8 @@ class CompressConfig:
     momentum_correction: bool = _opt(True, f"{', '.join(momentum_corrected_names())} with sgd and --momentum > 0: "
                                      "accumulate the velocity on each worker and compress that (error feedback "
                                      "on the velocity), applying the average without the optimizer's momentum")
-    clip_norm: float = _opt(5.0, "with momentum correction: clip the local gradient of each bucket the engine "
-                            "exchanges (consecutive layers in backward order until they hold "
-                            f"{DEFAULT_BUCKET_BYTES >> 20} MB; under --sync ps, each layer) to this L2 norm / "
-                            "sqrt(workers) before accumulating it")
+    clip_norm: float = _opt(5.0, "with momentum correction: clip each parameter's local gradient to this L2 "
+                            "norm / sqrt(workers) before accumulating it")
     sparse_lr_scale: float = _opt(1.2, f"{', '.join(sparse_names())} without --lr: the model's default rate times "
                                   "this (a sparse update arrives late; 1.2 measured on vgg_fc, docs/compression.md)")
 

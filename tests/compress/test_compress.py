@@ -207,12 +207,13 @@ def test_fp16_payloads_of_huge_gradients_sum_to_finite_values_and_the_residual_k
 
 def test_momentum_correction_reads_the_parameters_one_by_one_as_it_reads_them_flat():
     """The engine hands the memory its bucket's parameters one by one (no flat copy per step); weight
-    decay must add them exactly as it adds the flat concatenation: the same velocity and residual bits."""
+    decay must add them exactly as it adds the flat concatenation: the same velocity and residual bits.
+    (Without clipping, which is per parameter: test_local_clipping_is_per_parameter_whatever_the_bucket.)"""
     shapes = [(37, 3), (37,), (1001,), (16, 8, 3, 3)]
     generator = torch.Generator().manual_seed(4)
     params = [torch.randn(s, generator=generator) for s in shapes]
     flat_params = torch.cat([p.reshape(-1) for p in params])
-    one_by_one, flat = (MomentumCorrection(0.9, 5.0, 2, weight_decay=5e-4, masking=False) for _ in range(2))
+    one_by_one, flat = (MomentumCorrection(0.9, None, 2, weight_decay=5e-4, masking=False) for _ in range(2))
     for _ in range(3):
         grad = torch.randn(flat_params.numel(), generator=generator)
         assert torch.equal(one_by_one.compensate(grad, "0", params), flat.compensate(grad, "0", flat_params))

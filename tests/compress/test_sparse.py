@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from convoy.compress import BlockTopKCompressor, LayerInfo, MomentumCorrection, ResidualMemory, TopKCompressor
 from convoy.compress.blocks import BlockLayout
@@ -90,6 +92,28 @@ def test_a_gradient_spike_cannot_leave_in_one_burst():
         sent = strategy.start(bucket, bucket.flat_grad()).wait()
         assert float(sent.norm()) <= (step + 1) * clip / (1 - m) + 1e-3
         assert float(memory.velocities["0"].norm()) <= clip / (1 - m) + 1e-3
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=5),
+       scales=st.lists(st.sampled_from([0.01, 1.0, 30.0]), min_size=5, max_size=5),
+       steps=st.integers(1, 3))
+def test_local_clipping_is_per_parameter_whatever_the_bucket(sizes, scales, steps):
+    """Momentum correction clips each parameter's gradient on its own, so a bucket of several
+    parameters computes, bit for bit, what one memory per parameter computes: the engine's
+    grouping of layers into buckets is a matter of speed, not of numerics."""
+    torch.manual_seed(len(sizes))
+    params = [torch.randn(n) for n in sizes]
+    grads = [[torch.randn(n) * scale for n, scale in zip(sizes, scales)] for _ in range(steps)]
+    bucketed = MomentumCorrection(0.9, clip_norm=1.0, world_size=4, weight_decay=5e-4)
+    alone = MomentumCorrection(0.9, clip_norm=1.0, world_size=4, weight_decay=5e-4)
+    for step in grads:
+        together = bucketed.compensate(torch.cat(step), "0", params)
+        apart = [alone.compensate(g.clone(), f"p{i}", [p]) for i, (g, p) in enumerate(zip(step, params))]
+        assert torch.equal(together, torch.cat(apart))
+        bucketed.update(together, "0", torch.zeros_like(together))
+        for i, part in enumerate(apart):
+            alone.update(part, f"p{i}", torch.zeros_like(part))
 
 
 def test_an_fp16_exchange_passes_a_gradient_spike_clipped():
