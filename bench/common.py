@@ -87,9 +87,21 @@ def machine() -> dict[str, Any]:
     pages that show the result print it from here (it cannot drift from what ran)."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
-    return {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
+    return {"host": platform.node(), "cpus": os.cpu_count(), "cpu": cpu_kind(), "torch": torch.__version__,
             "python": platform.python_version(), "commit": commit,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command_line()}
+
+
+def cpu_kind() -> str:
+    """The CPU's model and the vector unit torch's kernels use: a run's floating-point results, and so
+    its steps to an accuracy, can differ between CPUs (MKL picks kernels by the instructions there)."""
+    model = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as info:
+            model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def command_line() -> str:

@@ -72,7 +72,8 @@ def measured_on(*names: str) -> str:
         data = load(name)
         if data and "machine" in data:
             m = data["machine"]
-            stamps.append(f"{m.get('date', '?')[:10]}, commit {m.get('commit', '?')}")
+            cpu = f", {m['cpu']}" if m.get("cpu") else ""
+            stamps.append(f"{m.get('date', '?')[:10]}, commit {m.get('commit', '?')}{cpu}")
     if not stamps:
         return ""
     first = load(names[0])["machine"] if load(names[0]) else {}

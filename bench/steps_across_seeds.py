@@ -11,7 +11,8 @@ strategy of time_to_accuracy, with its flags, at several seeds and reports the
 step at which each reached the targets, and per strategy the median over the
 seeds. Steps do not depend on the links or on the machine's load, so the ranks
 run as local processes (``--hosts`` of them, loopback), several runs at once
-with ``--parallel``. Writes bench/results/steps_across_seeds_<model>.{json,md}.
+with ``--parallel``; they can depend on the kind of CPU (its kernels round
+differently), so compare rows measured on one. Writes bench/results/steps_across_seeds_<model>.{json,md}.
 """
 from __future__ import annotations
 
