@@ -396,12 +396,15 @@ def render_powersgd_step() -> str:
 # The same-run step tables beside the loopback one above: emulated hosts at 100 Mbit (resnet18 again at the
 # ranks its tuned peer came to, 8 and 16), and 4 ranks on loopback.
 STEP_ON_HOSTS = ("powersgd_step_4hosts_100mbit", "powersgd_step_4hosts_100mbit_resnet18_r16",
-                 "powersgd_step_2hosts_100mbit", "powersgd_step_world4")
+                 "powersgd_step_2hosts_100mbit", "powersgd_step_world4", "powersgd_step_4hosts_100mbit_vgg_fc_avx512")
 
 
-def _links(settings: dict) -> str:
+def _links(data: dict) -> str:
+    """Where a file's rows ran: the links, and the CPU's vector unit where the file records it."""
+    settings, cpu = data["settings"], data.get("machine", {}).get("cpu")
     hosts = settings.get("hosts")
-    return f"{hosts} hosts, {settings['rate']}" if hosts else f"loopback, {settings['world']} ranks"
+    links = f"{hosts} hosts, {settings['rate']}" if hosts else f"loopback, {settings['world']} ranks"
+    return f"{links}, {cpu.rsplit(', ', 1)[-1]}" if cpu else links
 
 
 def render_powersgd_step_hosts(*names: str) -> str:
@@ -414,7 +417,7 @@ def render_powersgd_step_hosts(*names: str) -> str:
                 continue
             model, rank = row["model"], row["rank"]
             hook, floor = by[(model, "hook", rank)], by[(model, "floor", None)]
-            cells.append([_links(data["settings"]), model, str(rank), row["variant"], str(row["buckets"]),
+            cells.append([_links(data), model, str(rank), row["variant"], str(row["buckets"]),
                           seconds(floor["step_s"]), seconds(hook["step_s"]), seconds(row["step_s"]),
                           number(row["wall/hook"]), number(row["cpu/hook"]), number(row["wall/floor"]),
                           seconds(row["forward_wait_s"])])
@@ -451,7 +454,8 @@ BLOCKS = (
                 "the changes"),
     Block("powersgd_step_hosts", "convoy's PowerSGD step against the hook on emulated hosts at 100 Mbit",
           STEP_ON_HOSTS, "DDP + torch's powerSGD_hook at the same rank R and the no-exchange floor, rounds "
-          "interleaved in each run (one rank per emulated host; the last: 4 ranks on loopback)",
+          "interleaved in each run (one rank per emulated host, or local ranks on loopback; a CPU named "
+          "where the file records it, the others on an earlier machine)",
           partial(render_powersgd_step_hosts, *STEP_ON_HOSTS),
           rerun="python bench/powersgd_step.py --hosts 4|2 --rate 100mbit --ranks 2 4; --world 4 --tag world4",
           emulated=True),
