@@ -154,6 +154,6 @@ class MomentumCorrection(Memory):
         for piece, into, norm in zip(pieces, out.view(-1).split(sizes), norms):
             if norm > self.local_clip:
                 torch.mul(piece, self.local_clip / norm, out=into)
-            elif into.data_ptr() != piece.data_ptr():
+            else:
                 into.copy_(piece)
         return out
