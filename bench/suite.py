@@ -32,7 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, save  # noqa: E402
 from bench.figures import Block, Row, number, percent, rows_of, seconds, table, times  # noqa: E402
-from bench.time_to_accuracy import STRATEGIES, TUNED_PEERS, plot_curves, run_strategy  # noqa: E402
+from bench.time_to_accuracy import (CONVOY_POWERSGD_SWEEP, STRATEGIES, TUNED_PEERS, plot_curves,  # noqa: E402
+                                     run_strategy)
 from convoy.emulation import parse_rate  # noqa: E402
 
 
@@ -58,7 +59,7 @@ PROFILES = {
     # torch DDP, the peers a DDP user tunes among (the PowerSGD hook's rank sweep, its warm-up, the fp16
     # hook), then every technique of convoy's.
     "full": Profile(models=("vgg_fc", "resnet18"), rates=("100mbit", "1gbit"),
-                    strategies=("ddp", *TUNED_PEERS, "dense", "convoy-powersgd-r4", "fp16", "topk", "blocktopk",
+                    strategies=("ddp", *TUNED_PEERS, "dense", *CONVOY_POWERSGD_SWEEP, "fp16", "topk", "blocktopk",
                                 "blocktopk-10%", "hybrid-3+1", "hybrid-2+2", "hierarchical", "ps-fifo", "ps-graph"),
                     steps=400, eval_every=25, lr=0.02, batch_size=16, warmup_steps=20),
 }

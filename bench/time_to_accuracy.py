@@ -75,8 +75,11 @@ STRATEGIES: dict[str, list[str]] = {
     **TUNED_PEERS,
     FLOOR: [PEER, "--no-exchange"],
 }
+# convoy's own PowerSGD ranks, swept as the peer's are: its default and the next rank up, which reached
+# 97% in fewer steps across seeds on vgg_fc (docs/compression.md).
+CONVOY_POWERSGD_SWEEP = ("convoy-powersgd-r4", "convoy-powersgd-r8")
 # What a run without --strategies compares: the floor, the tuned peers and convoy's compressed strategies.
-DEFAULT_STRATEGIES = [FLOOR, *TUNED_PEERS, "dense", "convoy-powersgd-r4", "blocktopk", "fp16"]
+DEFAULT_STRATEGIES = [FLOOR, *TUNED_PEERS, "dense", *CONVOY_POWERSGD_SWEEP, "blocktopk", "fp16"]
 
 
 def tuned_peer_rank(model: str, rate: str) -> tuple[int, str]:
