@@ -141,6 +141,19 @@ class Compressor(ABC):
         total, support = self.decompress_sum(payloads, ctx)
         return total.div_(count), support
 
+    def certainly_finite(self, summed: Payload, ctx: Any) -> bool:
+        """Whether decompressing ``summed`` (the final payload summed over the ranks) gives only
+        finite values, as far as the payload alone tells: a bound on the few values sent stands in
+        for a pass over the many decoded. False means not known (the default), and the caller
+        checks the decoded gradient itself.
+
+        Example::
+
+            >>> if not compressor.certainly_finite(summed, ctx):
+            ...     check_finite(mean, step, "layer 3")
+        """
+        return False
+
     def unsent(self, compensated: torch.Tensor, payload: Payload, ctx: Any,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """``compensated`` minus what ``payload`` (this rank's final payload) sends of it: the

@@ -30,6 +30,7 @@ smaller side) are sent dense, in the second round.
 """
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -306,6 +307,19 @@ class PowerSGDCompressor(Compressor):
                           out=out[segment.offset:end])
                 position += segment.numel
         return out.view_as(compensated)
+
+    def certainly_finite(self, summed: Payload, ctx: Any) -> bool:
+        # A decoded value is a dense value of the wire, or sum_k P^_ik Q_jk over the r columns (Q
+        # divided by the ranks, which only shrinks it): at most r * max|P^| * max|Q| in magnitude, and
+        # so is every partial sum. Where that bound is finite with room for rounding, so is the mean.
+        wire = summed[0]
+        if wire.numel() == 0:
+            return False
+        largest = float(wire.abs().amax())
+        bases = self._bases(summed, ctx)
+        if bases:
+            largest *= max(1.0, self.rank * max(float(basis.abs().amax()) for basis in bases))
+        return math.isfinite(largest) and largest <= torch.finfo(wire.dtype).max / 2
 
     def keep_sum(self, summed: Payload, ctx: Any) -> None:
         """Keep each factored parameter's ``Q`` of ``summed`` (the final payload summed over the ranks)."""

@@ -45,10 +45,13 @@ class PendingSync(ABC):
     """An exchange in flight for one layer.
 
     After :meth:`wait`, ``support`` may say where the averaged gradient can be non-zero
-    (a :class:`convoy.compress.Support`; None: anywhere).
+    (a :class:`convoy.compress.Support`; None: anywhere), and ``finite`` is True where the
+    exchange has established from its payload that the average holds no NaN or infinity
+    (:meth:`convoy.compress.Compressor.certainly_finite`), so the caller need not scan it.
     """
 
     support: Support | None = None
+    finite: bool = False
 
     @abstractmethod
     def is_done(self) -> bool:

@@ -392,7 +392,8 @@ class Engine:
         if self.gate is not None:
             exchanged.append(bucket)
             return
-        check_finite(bucket.flat_grad(), step, f"layer {bucket.name}")   # before a NaN reaches the parameters
+        if not pending.finite:   # before a NaN reaches the parameters
+            check_finite(bucket.flat_grad(), step, f"layer {bucket.name}")
         self._update_bucket(bucket, step, apply=True)
 
     def _update_bucket(self, bucket: Bucket, step: int, apply: bool) -> None:

@@ -25,11 +25,14 @@ def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
 
 
 class _PendingAllReduce(PendingSync):
-    """``finish`` turns what the collective received into the average and its support."""
+    """``finish`` turns what the collective received into the average and its support; ``finite``,
+    where given, says from what was received whether the average is certainly finite."""
 
-    def __init__(self, sent: AsyncCollective, finish: Callable[[], tuple[torch.Tensor, Support | None]]):
+    def __init__(self, sent: AsyncCollective, finish: Callable[[], tuple[torch.Tensor, Support | None]],
+                 finite: Callable[[], bool] | None = None):
         self._sent = sent
         self._finish = finish
+        self._finite = finite
 
     def is_done(self) -> bool:
         return self._sent.is_completed()
@@ -40,6 +43,7 @@ class _PendingAllReduce(PendingSync):
 
     def _average(self) -> torch.Tensor:
         average, self.support = self._finish()
+        self.finite = self._finite is not None and self._finite()
         return average
 
 
@@ -65,7 +69,7 @@ class _PendingRounds(PendingSync):
     def wait(self) -> torch.Tensor:
         self.advance()
         average = self._final.wait()
-        self.support = self._final.support
+        self.support, self.finite = self._final.support, self._final.finite
         return average
 
 
@@ -249,7 +253,7 @@ class AllReduce(SyncStrategy):
                 return total.div_(self.world_size), support
             return compressor.decompress_mean_into([[wire]], ctx, out, self.world_size)
 
-        return _PendingAllReduce(sent, finish)
+        return _PendingAllReduce(sent, finish, lambda: compressor.certainly_finite([wire], ctx))
 
     def _all_gather(self, compressor: Compressor, payload: list[torch.Tensor], ctx: Any,
                     device: torch.device | None = None) -> PendingSync:

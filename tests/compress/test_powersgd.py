@@ -7,10 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from convoy.compress import LayerInfo, MomentumCorrection, PowerSGDCompressor, ResidualMemory
 from convoy.compress.powersgd import _column_scale, orthonormalise
 from convoy.engine import Engine
+from convoy.errors import TrainingDiverged
 from convoy.sync import AllReduce
 from tests.compress.helpers import one_layer_bucket, small_mlp, train_steps
 from tests.helpers import convoy_in_process, one_line_error, run_workers
@@ -214,6 +218,63 @@ def test_deferring_the_p_round_to_the_next_bucket_changes_no_bit():
         assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
         assert torch.equal(a["average"], b["average"]) and a["sent"] == b["sent"]
     assert all(r["in_flight"] for r in deferred)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rank=st.integers(1, 3), seed=st.integers(0, 2**16), exponent=st.integers(-30, 38),
+       poison=st.sampled_from([None, float("nan"), float("inf"), float("-inf")]), where=st.integers(0, 311))
+def test_powersgd_vouches_for_a_finite_mean_only_where_it_is_finite(rank, seed, exponent, poison, where):
+    """The bound on the payload (r max|P^| max|Q|) never vouches for a mean with a NaN or an infinity,
+    however large the gradient; and for gradients of ordinary size it does vouch (the scan is skipped)."""
+    compressor = PowerSGDCompressor(rank)
+    gradient = _low_rank_gradient(3, seed) * 10.0 ** exponent
+    if poison is not None:
+        gradient[where] = poison
+    payload, ctx = compressor.compress(gradient, "0", LayerInfo(shapes=SHAPES))
+    payload, ctx = compressor.next_round(payload, ctx)
+    vouched = compressor.certainly_finite(payload, ctx)
+    mean = compressor.decompress(payload, ctx)
+    assert not vouched or bool(torch.isfinite(mean).all())
+    assert vouched or poison is not None or exponent > 30
+
+
+def _finite_worker(rank: int, world: int) -> dict:
+    """What a two-rank PowerSGD exchange says of its mean, for a finite gradient and for a NaN on rank 0,
+    and whether the engine stops on a NaN loss before the update."""
+    probe = AllReduce(dist.new_group(), PowerSGDCompressor(2), ResidualMemory())
+    said = {}
+    for case, poison in (("finite", None), ("nan", float("nan"))):
+        bucket = one_layer_bucket((24, 3, 2, 2), (24,))
+        bucket.flat_grad().copy_(_low_rank_gradient(2, seed=rank))
+        if poison is not None and rank == 0:
+            bucket.flat_grad()[5] = poison
+        pending = probe.start(bucket, bucket.flat_grad())
+        mean = pending.wait()
+        said[case] = (pending.finite, bool(torch.isfinite(mean).all()))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 48), torch.nn.ReLU(), torch.nn.Linear(48, 4))
+    engine = Engine(model, torch.optim.SGD, AllReduce(dist.new_group(), PowerSGDCompressor(2),
+                                                      MomentumCorrection(0.9, masking=False)), lr=0.1)
+    train_steps(model, engine, 2, seed=rank)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = F.cross_entropy(model(torch.randn(8, 12)), torch.randint(0, 4, (8,)))
+    try:
+        engine.backward(loss * (float("nan") if rank == 0 else 1.0))
+        engine.synchronize()
+        said["stopped"] = None
+    except TrainingDiverged as error:
+        said["stopped"] = str(error)
+    said["unchanged"] = all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    engine.close()
+    return said
+
+
+@pytest.mark.timeout(120)
+def test_a_nan_on_one_rank_still_stops_every_rank_before_the_update_when_finite_means_skip_the_scan():
+    for said in run_workers(_finite_worker, 2):
+        assert said["finite"] == (True, True)        # vouched for from the payload: no scan of the mean
+        assert said["nan"] == (False, False)         # not vouched for: the engine scans it, and it is NaN
+        assert "non-finite" in said["stopped"] and said["unchanged"]
 
 
 JOB = ("--nproc", "2", "--batch-size", "32", "--lr-schedule", "constant", "--compress", "powersgd",
