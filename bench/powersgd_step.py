@@ -396,15 +396,19 @@ def render_powersgd_step() -> str:
 # The same-run step tables beside the loopback one above: emulated hosts at 100 Mbit (resnet18 again at the
 # ranks its tuned peer came to, 8 and 16), and 4 ranks on loopback.
 STEP_ON_HOSTS = ("powersgd_step_4hosts_100mbit", "powersgd_step_4hosts_100mbit_resnet18_r16",
-                 "powersgd_step_2hosts_100mbit", "powersgd_step_world4", "powersgd_step_4hosts_100mbit_vgg_fc_avx512")
+                 "powersgd_step_2hosts_100mbit", "powersgd_step_world4", "powersgd_step_4hosts_100mbit_vgg_fc_avx512",
+                 "powersgd_step_4hosts_100mbit_vgg_fc_epyc", "powersgd_step_4hosts_100mbit_resnet18_epyc",
+                 "powersgd_step_world4_epyc", "powersgd_step_world4_resnet18_epyc",
+                 "powersgd_step_world4_epyc_finite_from_payload",
+                 "powersgd_step_4hosts_100mbit_resnet18_epyc_finite_from_payload")
 
 
 def _links(data: dict) -> str:
-    """Where a file's rows ran: the links, and the CPU's vector unit where the file records it."""
+    """Where a file's rows ran: the links, and the CPU (its maker, family and vector unit) where the file records it."""
     settings, cpu = data["settings"], data.get("machine", {}).get("cpu")
     hosts = settings.get("hosts")
     links = f"{hosts} hosts, {settings['rate']}" if hosts else f"loopback, {settings['world']} ranks"
-    return f"{links}, {cpu.rsplit(', ', 1)[-1]}" if cpu else links
+    return f"{links}, {cpu.replace('(R)', '').replace(' Processor', '')}" if cpu else links
 
 
 def render_powersgd_step_hosts(*names: str) -> str:
@@ -417,11 +421,12 @@ def render_powersgd_step_hosts(*names: str) -> str:
                 continue
             model, rank = row["model"], row["rank"]
             hook, floor = by[(model, "hook", rank)], by[(model, "floor", None)]
-            cells.append([_links(data), model, str(rank), row["variant"], str(row["buckets"]),
+            cells.append([_links(data), data.get("machine", {}).get("commit", "-"), model, str(rank), row["variant"],
+                          str(row["buckets"]),
                           seconds(floor["step_s"]), seconds(hook["step_s"]), seconds(row["step_s"]),
                           number(row["wall/hook"]), number(row["cpu/hook"]), number(row["wall/floor"]),
                           seconds(row["forward_wait_s"])])
-    return table(["links", "model", "R", "variant", "buckets", "floor step", "hook step", "convoy step",
+    return table(["links", "commit", "model", "R", "variant", "buckets", "floor step", "hook step", "convoy step",
                   "convoy wall / hook", "CPU / hook", "wall / floor", "forward waiting"], cells)
 
 

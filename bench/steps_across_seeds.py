@@ -141,6 +141,8 @@ def render_steps_across_seeds(*names: str) -> str:
 
 
 VGG_FC_RUNS = ("steps_across_seeds_vgg_fc", "steps_across_seeds_vgg_fc_variants", "steps_across_seeds_vgg_fc_hook_r16")
+# The hook's and convoy's ranks 4 and 8 (the two sweeps' best on vgg_fc) on an AMD EPYC.
+VGG_FC_EPYC_RUNS = ("steps_across_seeds_vgg_fc_epyc",)
 # Seeds 0-2, then 3-4 of the same strategies, then convoy's rank 16 without momentum correction.
 RESNET18_RUNS = ("steps_across_seeds_resnet18_exp_r16", "steps_across_seeds_resnet18_exp_r16_seeds34",
                  "steps_across_seeds_resnet18_r16_no_mc")
@@ -150,6 +152,12 @@ BLOCKS = (
           "time-to-accuracy sweep, and at rank 16, at the same seeds; '-': not reached in 400 steps",
           partial(render_steps_across_seeds, *VGG_FC_RUNS),
           rerun="python bench/steps_across_seeds.py --model vgg_fc --seeds 0 1 2 3 4 --parallel 2"),
+    Block("steps_across_seeds_vgg_fc_epyc", "Steps to 95% and 97% across seeds: vgg_fc, 4 ranks, AMD EPYC",
+          VGG_FC_EPYC_RUNS, "DDP + torch's PowerSGD hook (the rows marked peer) at ranks 4 and 8, the soonest to 95% "
+          "and to 97% in the time-to-accuracy sweep on the same CPU, at the same seeds; '-': not reached in 400 steps",
+          partial(render_steps_across_seeds, *VGG_FC_EPYC_RUNS),
+          rerun="python bench/steps_across_seeds.py --model vgg_fc --seeds 0 1 2 3 4 --parallel 2 --strategies "
+                "ddp-powersgd-r4 ddp-powersgd-r8 convoy-powersgd-r4 convoy-powersgd-r8 --tag epyc"),
     Block("steps_across_seeds_resnet18", "Steps to 95% and 97% across seeds: resnet18, 4 ranks", RESNET18_RUNS,
           "DDP + torch's PowerSGD hook (the rows marked peer) at ranks 8 (the soonest of the time-to-accuracy "
           "sweep, up to 16 since it was extended) and 16, at the same seeds, evaluated every 25 steps",

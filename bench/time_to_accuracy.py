@@ -392,11 +392,12 @@ def _versus_powersgd(name: str, title: str, result: str, flags: str) -> Block:
                  rerun=f"python bench/time_to_accuracy.py {flags}", emulated=True)
 
 
-def _tuned(model: str, flags: str) -> Block:
-    """A block of one default run (the tuned peers, the floor, convoy's strategies) of ``model`` at 100 Mbit."""
-    result = f"time_to_accuracy_{model}_100mbit"
-    return Block(f"tta_{model}_100mbit_tuned", f"Time to 95% and 97%: {model}, 4 hosts at 100 Mbit, against the "
-                 "tuned peers", (result,), "the best of the run's tuned peers: DDP + torch's PowerSGD hook at each rank "
+def _tuned(model: str, flags: str, tag: str = "", title: str = "against the tuned peers") -> Block:
+    """A block of one default run (the tuned peers, the floor, convoy's strategies) of ``model`` at 100 Mbit,
+    or of a run of some of them (``tag``: its --tag)."""
+    result = f"time_to_accuracy_{model}_100mbit" + (f"_{tag}" if tag else "")
+    return Block(f"tta_{model}_100mbit_{tag or 'tuned'}", f"Time to 95% and 97%: {model}, 4 hosts at 100 Mbit, {title}",
+                 (result,), "the best of the run's tuned peers: DDP + torch's PowerSGD hook at each rank "
                  "of its rows (and rank 4 with 10% dense warm-up) and DDP's fp16 hook; no-exchange is the floor",
                  partial(render_tuned_peers, result), rerun=f"python bench/time_to_accuracy.py {flags}", emulated=True)
 
@@ -404,6 +405,9 @@ def _tuned(model: str, flags: str) -> Block:
 BLOCKS = (
     _tuned("vgg_fc", "--hosts 4 --rate 100mbit --model vgg_fc --target 0.97"),
     _tuned("resnet18", "--hosts 4 --rate 100mbit --model resnet18 --target 0.97 --eval-every 25"),
+    _tuned("resnet18", "--hosts 4 --rate 100mbit --model resnet18 --target 0.97 --eval-every 25 --strategies "
+           "no-exchange ddp-powersgd-r4 ddp-powersgd-r8 ddp-powersgd-r16 convoy-powersgd-r4 convoy-powersgd-r8 "
+           "--tag powersgd_ranks", tag="powersgd_ranks", title="the PowerSGD hook and convoy's PowerSGD at their best ranks"),
     Block("tta_resnet18_100mbit_r8", "Time to 95% and 97%: resnet18, convoy's PowerSGD at the best peer's rank",
           ("time_to_accuracy_resnet18_100mbit_convoy_r8",), "DDP + torch's PowerSGD hook at rank 8 (the best tuned "
           "peer of the resnet18 run above) in the same run (the ratios are its time over each row's)",

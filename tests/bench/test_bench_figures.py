@@ -221,11 +221,19 @@ def test_runs_at_other_seeds_render_as_one_table_with_the_median_over_all_of_the
         ["a", "95%", "100", "100", "300", "300", "300", "300 (5 of 5 reached it)"]
 
 
-def test_the_seeds_default_peer_is_the_sweep_s_best_rank_for_the_model():
+def test_the_seeds_default_peer_is_the_sweep_s_best_rank_for_the_model(monkeypatch):
     for model in ("vgg_fc", "resnet18"):
         peer, convoy = default_strategies(model)
         assert peer == f"ddp-powersgd-r{tuned_peer_rank(model, '100mbit')[0]}" and convoy == "convoy-powersgd-r4"
-    assert default_strategies("vgg_fc")[0] != default_strategies("resnet18")[0]   # tuned per model, not typed
+    # Read from the sweep's result, not typed: a sweep where rank 2 was soonest makes rank 2 the peer.
+    from bench import time_to_accuracy
+
+    def row(strategy, seconds_):
+        return {"strategy": strategy, "time_to_target_s": seconds_}
+    sweep = {"settings": {"target": 0.97}, "rows": [row("ddp-powersgd-r2", 30.0), row("ddp-powersgd-r4", 40.0),
+                                                     row("ddp-powersgd-r8", None), row("convoy-powersgd-r4", 20.0)]}
+    monkeypatch.setattr(time_to_accuracy, "load", lambda name: sweep)
+    assert default_strategies("vgg_fc")[0] == "ddp-powersgd-r2"
 
 
 def test_the_headline_compares_with_the_soonest_tuned_peer_where_the_suite_ran_them(tmp_path, monkeypatch):
