@@ -397,8 +397,8 @@ def _tuned(model: str, flags: str, tag: str = "", title: str = "against the tune
     or of a run of some of them (``tag``: its --tag)."""
     result = f"time_to_accuracy_{model}_100mbit" + (f"_{tag}" if tag else "")
     return Block(f"tta_{model}_100mbit_{tag or 'tuned'}", f"Time to 95% and 97%: {model}, 4 hosts at 100 Mbit, {title}",
-                 (result,), "the best of the run's tuned peers: DDP + torch's PowerSGD hook at each rank "
-                 "of its rows (and rank 4 with 10% dense warm-up) and DDP's fp16 hook; no-exchange is the floor",
+                 (result,), "the best of the run's tuned peers: DDP + torch's PowerSGD hook at each rank of its rows"
+                 + ("" if tag else " (and rank 4 with 10% dense warm-up) and DDP's fp16 hook") + "; no-exchange is the floor",
                  partial(render_tuned_peers, result), rerun=f"python bench/time_to_accuracy.py {flags}", emulated=True)
 
 
