@@ -312,14 +312,15 @@ class PowerSGDCompressor(Compressor):
         # A decoded value is a dense value of the wire, or sum_k P^_ik Q_jk over the r columns (Q
         # divided by the ranks, which only shrinks it): at most r * max|P^| * max|Q| in magnitude, and
         # so is every partial sum. Where that bound is finite with room for rounding, so is the mean.
-        wire = summed[0]
+        # One read of the maxima back from the device for all of them (each read waits for the device).
+        wire, bases = summed[0], self._bases(summed, ctx)
         if wire.numel() == 0:
             return False
-        largest = float(wire.abs().amax())
-        bases = self._bases(summed, ctx)
-        if bases:
-            largest *= max(1.0, self.rank * max(float(basis.abs().amax()) for basis in bases))
-        return math.isfinite(largest) and largest <= torch.finfo(wire.dtype).max / 2
+        maxima = torch.stack([t.abs().amax() for t in (wire, *bases)]).tolist()
+        if not all(math.isfinite(m) for m in maxima):   # checked first: max() skips a NaN after a number
+            return False
+        largest = maxima[0] * max([1.0] + [self.rank * m for m in maxima[1:]])
+        return largest <= torch.finfo(wire.dtype).max / 2
 
     def keep_sum(self, summed: Payload, ctx: Any) -> None:
         """Keep each factored parameter's ``Q`` of ``summed`` (the final payload summed over the ranks)."""

@@ -238,6 +238,15 @@ def test_powersgd_vouches_for_a_finite_mean_only_where_it_is_finite(rank, seed, 
     assert vouched or poison is not None or exponent > 30
 
 
+def test_a_nan_in_a_basis_is_not_vouched_for_even_where_the_wire_is_finite():
+    compressor = PowerSGDCompressor(2)
+    payload, ctx = compressor.compress(_low_rank_gradient(2, seed=3), "0", LayerInfo(shapes=SHAPES))
+    payload, ctx = compressor.next_round(payload, ctx)
+    assert compressor.certainly_finite(payload, ctx)
+    ctx.bases[0][0, 1] = float("nan")   # Python's max(1.0, nan) is 1.0: the bound must not take it so
+    assert bool(torch.isfinite(payload[0]).all()) and not compressor.certainly_finite(payload, ctx)
+
+
 def _finite_worker(rank: int, world: int) -> dict:
     """What a two-rank PowerSGD exchange says of its mean, for a finite gradient and for a NaN on rank 0,
     and whether the engine stops on a NaN loss before the update."""
