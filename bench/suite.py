@@ -6,7 +6,9 @@
 
 For each model and link rate, every strategy of bench/time_to_accuracy.py runs
 on 4 emulated hosts (network namespaces + tc) until it reaches the target test
-accuracy or its step budget. Beside them the suite measures the physical
+accuracy, its step budget or the profile's time limit (the full profile's is
+minutes, so that a dense exchange at 100 Mbit, 10 to 30 minutes to the target,
+does not take the suite's hours; such a row reads "not reached in N s"). Beside them the suite measures the physical
 limits of that setting: the compute-only step (4 single-process runs at once,
 so the CPU is shared as in the cluster, and nothing is exchanged) and the
 bandwidth-optimal ring all-reduce of the model's fp32 gradients,
@@ -49,6 +51,8 @@ class Profile:
     hosts: int = 4
     target: float = 0.97
     warmup_steps: int = 0
+    # A run that has not reached the target by then is stopped and reported as such (None: no limit).
+    time_limit_s: float | None = None
 
 
 PROFILES = {
@@ -61,7 +65,10 @@ PROFILES = {
     "full": Profile(models=("vgg_fc", "resnet18"), rates=("100mbit", "1gbit"),
                     strategies=("ddp", *TUNED_PEERS, "dense", *CONVOY_POWERSGD_SWEEP, "fp16", "topk", "blocktopk",
                                 "blocktopk-10%", "hybrid-3+1", "hybrid-2+2", "hierarchical", "ps-fifo", "ps-graph"),
-                    steps=400, eval_every=25, lr=0.02, batch_size=16, warmup_steps=20),
+                    steps=400, eval_every=25, lr=0.02, batch_size=16, warmup_steps=20,
+                    # Long enough for every strategy within 3x of the best tuned peer at 100 Mbit
+                    # (about 60-80 s); a dense exchange at 100 Mbit would take 10-30 minutes a run.
+                    time_limit_s=300),
 }
 
 
@@ -94,20 +101,21 @@ def ring_allreduce_s(model: str, hosts: int, rate: str) -> float:
 
 
 def run_setting(model: str, rate: str, profile: Profile, out: Path) -> list[dict]:
-    args = argparse.Namespace(model=model, rate=rate, **{k: v for k, v in asdict(profile).items()
-                                                        if k not in ("models", "rates", "strategies")})
+    args = argparse.Namespace(model=model, rate=rate, cluster=None, **{k: v for k, v in asdict(profile).items()
+                                                        if k not in ("models", "rates", "strategies",
+                                                                     "time_limit_s")})
     compute = compute_only_step_s(model, profile)
     ring = ring_allreduce_s(model, profile.hosts, rate)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in profile.strategies:
             try:
-                row = run_strategy(name, args, Path(tmp, name))
+                row = run_strategy(name, args, Path(tmp, name), profile.time_limit_s)
             except RuntimeError as exc:   # one failing strategy must not lose the others' figures
                 print(f"suite: {model} {rate} {name} failed: {str(exc).splitlines()[-1]}", flush=True)
                 row = {"strategy": name, "error": str(exc).splitlines()[-1], "curve": []}
             row.update(model=model, rate=rate, compute_only_s=compute, ring_allreduce_s=ring)
-            if "step_s" in row:
+            if row.get("step_s"):
                 row["step_vs_limit"] = row["step_s"] / max(compute, ring)
             rows.append(row)
             print({k: v for k, v in row.items() if k != "curve"}, flush=True)
@@ -144,9 +152,15 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", help="run only these models of the profile")
     parser.add_argument("--rates", nargs="+", help="run only these link rates of the profile")
     parser.add_argument("--steps", type=int, help="the step budget per run instead of the profile's")
+    parser.add_argument("--time-limit", type=float, metavar="SECONDS",
+                        help="stop a run that has not reached the target after this long, instead of the "
+                             "profile's limit (full: %g s)" % PROFILES["full"].time_limit_s)
     parser.add_argument("--tag", help="suffix of the result files' names, to keep partial runs apart")
     args = parser.parse_args()
-    chosen = {"strategies": args.strategies, "models": args.models, "rates": args.rates, "steps": args.steps}
+    if args.time_limit is not None and args.time_limit <= 0:
+        parser.error(f"--time-limit must be positive seconds, got {args.time_limit:g}")
+    chosen = {"strategies": args.strategies, "models": args.models, "rates": args.rates, "steps": args.steps,
+              "time_limit_s": args.time_limit}
     profile = Profile(**{**asdict(PROFILES[args.profile]),
                          **{k: tuple(v) if isinstance(v, list) else v for k, v in chosen.items() if v}})
     name = f"suite_{args.profile}" + (f"_{args.tag}" if args.tag else "")
@@ -157,7 +171,7 @@ def main() -> None:
     plot_bytes(rows, out / "bytes.png")
     save(name, asdict(profile), rows,
          ["model", "rate", "strategy", "step_s", "step_vs_limit", "time_to_target_s", "speedup_vs_dense",
-          "steps_to_target", "final_accuracy", "MB_sent/step", "compute_only_s", "ring_allreduce_s", "error"])
+          "steps_to_target", "time_limit_s", "final_accuracy", "MB_sent/step", "compute_only_s", "ring_allreduce_s", "error"])
 
 
 # The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
@@ -179,6 +193,11 @@ def suite_files(model: str) -> tuple[str, ...]:
     return tuple(name for (m, _), names in SUITE_FILES.items() if m == model for name in names)
 
 
+def _not_reached(row: Row) -> str:
+    limit = row.get("time_limit_s")
+    return f"not reached in {limit:g} s" if limit else "not reached"
+
+
 def render_suite(*names: str) -> str:
     rows = rows_of(*names)
     dense = {(r["model"], r["rate"]): r for r in rows if r["strategy"] == "dense"}
@@ -190,7 +209,7 @@ def render_suite(*names: str) -> str:
     return table(["model", "links", "strategy", "step", "step / limit", "time to 97%", "vs convoy all-reduce",
                   "accuracy at the end", "MB / step / worker"],
                  [[r["model"], r["rate"], r["strategy"], seconds(r["step_s"]), number(r["step_vs_limit"]),
-                   seconds(r["time_to_target_s"], "not reached")
+                   seconds(r["time_to_target_s"], _not_reached(r))
                    + (f" (step {r['steps_to_target']})" if r["steps_to_target"] else ""),
                    speedup(r), percent(r["final_accuracy"]), number(r["MB_sent/step"])] for r in rows])
 
@@ -214,7 +233,7 @@ def render_headline() -> str:
         if r is None:
             return "-"
         if not r["time_to_target_s"]:
-            return f"not reached ({percent(r['final_accuracy'])})"
+            return f"{_not_reached(r)} ({percent(r['final_accuracy'])})"
         return f"{seconds(r['time_to_target_s'])}{ratio(r, versus)}"
     if not any(best_peer.values()):   # a suite from before the tuned peers
         return table(["strategy", "100 Mbit: time to 97%, vs torch DDP", "1 Gbit: time to 97%, vs torch DDP"],

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, launcher, save  # noqa: E402
 from bench.figures import Block, load, loaded, number, percent, rows_of, seconds, table, times  # noqa: E402
 from convoy.sim.catalog import PEER_POWERSGD_RANKS  # noqa: E402
+from convoy.utils.lifetime import STOP_GRACE_S  # noqa: E402
 
 PEER = str(Path(__file__).resolve().parent / "peers" / "ddp_train.py")
 TWO_RACKS = str(Path(__file__).resolve().parent / "two_racks.toml")
@@ -39,6 +40,8 @@ TUNED_PEERS: dict[str, list[str]] = {
     "ddp-powersgd-r4-warm10": [PEER, "--powersgd-rank", "4", "--powersgd-start", TENTH_OF_STEPS],
     "ddp-fp16": [PEER, "--fp16-hook"],
 }
+# How long a run stopped at its time limit may take to stop: its ranks' grace, then the namespaces' teardown.
+STOP_WAIT_S = 2 * STOP_GRACE_S
 # The same ranks with no exchange at all: the step every strategy's is read against.
 FLOOR = "no-exchange"
 
@@ -129,17 +132,32 @@ def strategy_command(name: str, args: argparse.Namespace, out: Path, words: list
     return [placeholders[word]() if word in placeholders else word for word in words] + common + own
 
 
-def run_strategy(name: str, args: argparse.Namespace, out: Path) -> dict:
-    """One strategy's run on a fresh emulated cluster: its time to target, step time, bytes and curve."""
+def run_strategy(name: str, args: argparse.Namespace, out: Path, time_limit_s: float | None = None) -> dict:
+    """One strategy's run on a fresh emulated cluster: its time to target, step time, bytes and curve.
+
+    ``time_limit_s``: stop the run (SIGTERM to its launcher, which stops every rank) once it has taken this
+    long, launch included, without reaching the target; the row then says so in ``time_limit_s``.
+    """
     command = strategy_command(name, args, out)
-    result = subprocess.run(launcher(command, args.hosts, args.rate, args.cluster), capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{result.stderr[-3000:]}")
+    proc = subprocess.Popen(launcher(command, args.hosts, args.rate, args.cluster), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stderr, limited = proc.communicate(timeout=time_limit_s)[1], False
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            stderr, limited = proc.communicate(timeout=STOP_WAIT_S)[1], True
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise RuntimeError(f"{name} did not stop within {STOP_WAIT_S:g} s of its time limit") from None
+    if proc.returncode != 0 and not limited:
+        raise RuntimeError(f"{name} failed:\n{stderr[-3000:]}")
     evals = [r for r in _records(out / "metrics-rank0.jsonl") if r["kind"] == "eval"]
     hit = next((e for e in evals if e["test_accuracy"] >= args.target), None)
     return {"strategy": name, "time_to_target_s": hit["time"] if hit else None,
             "steps_to_target": hit["step"] if hit else None,
-            "final_accuracy": evals[-1]["test_accuracy"],
+            "final_accuracy": evals[-1]["test_accuracy"] if evals else None,
+            "time_limit_s": time_limit_s if limited else None,
             # Steps of a given warm-up are left out of the steady step; a sparse
             # compressor's default ramp is counted (its bytes are part of the run).
             **step_figures(out, skip=1 + (args.warmup_steps or 0 if STRATEGIES[name][0] == "train" else 0)),
@@ -192,6 +210,8 @@ def step_figures(out: Path, skip: int = 1) -> dict:
         means.append(statistics.mean(r["wall_s"] for r in whole if r["step"] not in after_eval))
         sent.append(statistics.mean(r["bytes_sent"] + r.get("link_bytes_sent", 0) + r.get("server_bytes_sent", 0)
                                     for r in steps))
+    if not means:   # stopped (at a time limit) before its warm-up was over
+        return {"step_s": None, "MB_sent/step": None}
     return {"step_s": statistics.mean(means), "MB_sent/step": statistics.mean(sent) / 1e6}
 
 
@@ -205,7 +225,9 @@ def link_shares(args: argparse.Namespace) -> str:
 
 
 def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    # A rank stopped at a time limit may have left its last line unfinished.
+    lines = path.read_text().split("\n")[:-1]
+    return [json.loads(line) for line in lines]
 
 
 def plot_curves(rows: list[dict], path: Path, target: float) -> None:

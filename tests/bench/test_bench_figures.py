@@ -14,7 +14,7 @@ from bench.time_to_accuracy import step_figures
 def _write(path, steps, evals=()):
     records = [{"kind": "step", "step": i, "wall_s": s, "bytes_sent": 100} for i, s in enumerate(steps)]
     records += [{"kind": "eval", "step": e, "time": 0.0, "test_accuracy": 0.5} for e in evals]
-    path.write_text("\n".join(json.dumps(r) for r in records))
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))   # as MetricsWriter writes them
 
 
 def test_periodic_step_counts_its_exchange(tmp_path):
@@ -27,6 +27,19 @@ def test_steps_after_an_evaluation_are_left_out(tmp_path):
     # The evaluation after step 4 (0-based 3) lands in the wall time of step 4.
     _write(tmp_path / "metrics-rank0.jsonl", [1.0, 0.2, 0.2, 0.2, 5.0, 0.2, 0.2, 0.2, 0.2], evals=[4])
     assert step_figures(tmp_path)["step_s"] == pytest.approx(0.2)
+
+
+def test_an_unfinished_last_line_is_left_out(tmp_path):
+    # A rank stopped at the suite's time limit may end its file mid-line.
+    _write(tmp_path / "metrics-rank0.jsonl", [1.0, 0.2, 0.2, 0.2, 0.2])
+    with open(tmp_path / "metrics-rank0.jsonl", "a") as f:
+        f.write('{"kind": "step", "step": 5, "wa')
+    assert step_figures(tmp_path)["step_s"] == pytest.approx(0.2)
+
+
+def test_a_run_stopped_in_its_warm_up_has_no_step(tmp_path):
+    _write(tmp_path / "metrics-rank0.jsonl", [1.0])
+    assert step_figures(tmp_path) == {"step_s": None, "MB_sent/step": None}
 
 
 def test_ranks_are_averaged(tmp_path):
