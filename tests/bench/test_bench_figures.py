@@ -264,3 +264,7 @@ def test_the_headline_compares_with_the_soonest_tuned_peer_where_the_suite_ran_t
     # A suite from before the tuned peers keeps torch DDP as the reference.
     (tmp_path / "one_run.json").write_text(json.dumps({"rows": [rows[0], rows[3]]}))
     assert "| convoy | 20 s, 5.00x |" in suite.render_headline()
+    # A run stopped at the suite's time limit says how long it was given.
+    stopped = {**row("ps-fifo", None), "final_accuracy": 0.9, "time_limit_s": 300.0}
+    (tmp_path / "one_run.json").write_text(json.dumps({"rows": [*rows, stopped]}))
+    assert "| ps-fifo | not reached in 300 s (90.0%) |" in suite.render_headline()
