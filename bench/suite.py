@@ -8,10 +8,11 @@ For each model and link rate, every strategy of bench/time_to_accuracy.py runs
 on 4 emulated hosts (network namespaces + tc) until it reaches the target test
 accuracy, its step budget or the profile's time limit (the full profile's is
 minutes, so that a dense exchange at 100 Mbit, 10 to 30 minutes to the target,
-does not take the suite's hours; such a row reads "not reached in N s"). Beside them the suite measures the physical
-limits of that setting: the compute-only step (4 single-process runs at once,
-so the CPU is shared as in the cluster, and nothing is exchanged) and the
-bandwidth-optimal ring all-reduce of the model's fp32 gradients,
+does not take the suite's hours; such a row reads "not reached in N s").
+Beside them the suite measures the physical limits of that setting: the
+compute-only step (4 single-process runs at once, so the CPU is shared as in
+the cluster, and nothing is exchanged) and the bandwidth-optimal ring
+all-reduce of the model's fp32 gradients,
 2 (N - 1) / N x bytes / rate. Each strategy's step time is reported as a ratio
 to the larger of the two.
 
@@ -172,7 +173,8 @@ def main() -> None:
     plot_bytes(rows, out / "bytes.png")
     save(name, asdict(profile), rows,
          ["model", "rate", "strategy", "step_s", "step_vs_limit", "time_to_target_s", "speedup_vs_dense",
-          "steps_to_target", "time_limit_s", "final_accuracy", "MB_sent/step", "compute_only_s", "ring_allreduce_s", "error"])
+          "steps_to_target", "time_limit_s", "final_accuracy", "MB_sent/step", "compute_only_s",
+          "ring_allreduce_s", "error"])
 
 
 # The documentation's figures from the results above (bench/make_readme.py writes them into the pages).
