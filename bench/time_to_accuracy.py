@@ -430,6 +430,9 @@ BLOCKS = (
     _tuned("resnet18", "--hosts 4 --rate 100mbit --model resnet18 --target 0.97 --eval-every 25 --strategies "
            "no-exchange ddp-powersgd-r4 ddp-powersgd-r8 ddp-powersgd-r16 convoy-powersgd-r4 convoy-powersgd-r8 "
            "--tag powersgd_ranks", tag="powersgd_ranks", title="the PowerSGD hook and convoy's PowerSGD at their best ranks"),
+    _tuned("resnet18", "--hosts 4 --rate 100mbit --model resnet18 --target 0.97 --eval-every 25 --strategies "
+           "ddp-powersgd-r8 ddp-powersgd-r16 convoy-powersgd-r16 --tag convoy_r16", tag="convoy_r16",
+           title="convoy's PowerSGD at rank 16 against the hook's best ranks"),
     Block("tta_resnet18_100mbit_r8", "Time to 95% and 97%: resnet18, convoy's PowerSGD at the best peer's rank",
           ("time_to_accuracy_resnet18_100mbit_convoy_r8",), "DDP + torch's PowerSGD hook at rank 8 (the best tuned "
           "peer of the resnet18 run above) in the same run (the ratios are its time over each row's)",
