@@ -7,6 +7,7 @@ import os
 import pickle
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,52 @@ from convoy.utils.spawn import run_in_processes as spawn  # noqa: F401  (re-expo
 
 RESULTS = Path(__file__).parent / "results"
 HOST_RANK = Path(__file__).resolve().parent / "host_rank.py"   # the script each rank of run_on_hosts runs
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM unwind the bench as Ctrl-C does: every ``finally`` and ``with`` on the way out runs,
+    so a launcher it started is stopped (:func:`run_stopping`) and its folders are removed."""
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_stopping(argv: list[str], time_limit_s: float | None, stop_wait_s: float) -> tuple[int, str, bool]:
+    """Run ``argv`` (a launcher, which stops its ranks on SIGTERM) to its end or for ``time_limit_s``.
+
+    Past the limit, or when the bench itself is interrupted, the launcher gets SIGTERM and ``stop_wait_s``
+    to stop before it is killed: a bench that is stopped leaves no training job behind. Returns the
+    exit status, stderr, and whether the limit stopped it; an interruption is raised again once the
+    launcher is gone.
+
+    Example::
+
+        >>> status, stderr, limited = run_stopping(launcher(command, 4, "100mbit"), 300, STOP_WAIT_S)
+    """
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        stderr = proc.communicate(timeout=time_limit_s)[1]
+        return proc.returncode, stderr, False
+    except subprocess.TimeoutExpired:
+        pass
+    except BaseException:
+        _stop(proc, argv, stop_wait_s)
+        raise
+    stderr = _stop(proc, argv, stop_wait_s)
+    return proc.returncode, stderr, True
+
+
+def _stop(proc: subprocess.Popen, argv: list[str], stop_wait_s: float) -> str:
+    """SIGTERM to ``proc``, SIGKILL if it has not stopped after ``stop_wait_s``; its stderr."""
+    proc.terminate()
+    try:
+        return proc.communicate(timeout=stop_wait_s)[1]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"{shlex.join(argv[:6])} ... did not stop within {stop_wait_s:g} s of SIGTERM") from None
 
 
 def launcher(command: list[str], hosts: int, rate: str, cluster: str | None = None,

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import RESULTS, save  # noqa: E402
+from bench.common import RESULTS, save, stop_on_sigterm  # noqa: E402
 from bench.figures import Block, number, percent, rows_of, seconds, table, times  # noqa: E402
 from convoy.cli.launch import run_ranks  # noqa: E402
 from convoy.emulation import EmulatedCluster, Topology, parse_rate  # noqa: E402
@@ -146,10 +145,6 @@ def _plot(rows: list[dict], path: Path, target: float) -> None:
     plt.close(fig)
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt   # unwinds through EmulatedCluster, which removes the namespaces
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", type=int, default=4)
@@ -174,7 +169,7 @@ def main() -> None:
     if args.flat_steps % args.eval_every:
         raise SystemExit("--flat-steps must be a multiple of --eval-every")
     topology = Topology(args.hosts, parse_rate(args.rate), 2, parse_rate(args.inter_rack_rate))
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    stop_on_sigterm()   # unwinds through EmulatedCluster, which removes the namespaces
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         profile = _profile(topology, Path(tmp))

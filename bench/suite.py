@@ -33,7 +33,7 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import RESULTS, save  # noqa: E402
+from bench.common import RESULTS, save, stop_on_sigterm  # noqa: E402
 from bench.figures import Block, Row, number, percent, rows_of, seconds, table, times  # noqa: E402
 from bench.time_to_accuracy import (CONVOY_POWERSGD_SWEEP, STRATEGIES, TUNED_PEERS, plot_curves,  # noqa: E402
                                      run_strategy)
@@ -159,6 +159,7 @@ def main() -> None:
                              "profile's limit (full: %g s)" % PROFILES["full"].time_limit_s)
     parser.add_argument("--tag", help="suffix of the result files' names, to keep partial runs apart")
     args = parser.parse_args()
+    stop_on_sigterm()
     if args.time_limit is not None and args.time_limit <= 0:
         parser.error(f"--time-limit must be positive seconds, got {args.time_limit:g}")
     chosen = {"strategies": args.strategies, "models": args.models, "rates": args.rates, "steps": args.steps,

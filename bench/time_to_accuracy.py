@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import RESULTS, launcher, save  # noqa: E402
+from bench.common import RESULTS, launcher, run_stopping, save, stop_on_sigterm  # noqa: E402
 from bench.figures import Block, load, loaded, number, percent, rows_of, seconds, table, times  # noqa: E402
 from convoy.sim.catalog import PEER_POWERSGD_RANKS  # noqa: E402
 from convoy.utils.lifetime import STOP_GRACE_S  # noqa: E402
@@ -139,18 +138,9 @@ def run_strategy(name: str, args: argparse.Namespace, out: Path, time_limit_s: f
     long, launch included, without reaching the target; the row then says so in ``time_limit_s``.
     """
     command = strategy_command(name, args, out)
-    proc = subprocess.Popen(launcher(command, args.hosts, args.rate, args.cluster), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        stderr, limited = proc.communicate(timeout=time_limit_s)[1], False
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        try:
-            stderr, limited = proc.communicate(timeout=STOP_WAIT_S)[1], True
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise RuntimeError(f"{name} did not stop within {STOP_WAIT_S:g} s of its time limit") from None
-    if proc.returncode != 0 and not limited:
+    status, stderr, limited = run_stopping(launcher(command, args.hosts, args.rate, args.cluster), time_limit_s,
+                                           STOP_WAIT_S)
+    if status != 0 and not limited:
         raise RuntimeError(f"{name} failed:\n{stderr[-3000:]}")
     evals = [r for r in _records(out / "metrics-rank0.jsonl") if r["kind"] == "eval"]
     hit = next((e for e in evals if e["test_accuracy"] >= args.target), None)
@@ -269,6 +259,7 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", default=DEFAULT_STRATEGIES, choices=list(STRATEGIES),
                         help=f"default: {' '.join(DEFAULT_STRATEGIES)}")
     args = parser.parse_args()
+    stop_on_sigterm()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.strategies:
