@@ -56,8 +56,11 @@ def test_a_run_within_its_limit_keeps_its_status(tmp_path):
 def test_a_stopped_bench_leaves_no_launcher(tmp_path, how):
     pid_file = tmp_path / "pid"
     bench = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from bench.common import run_stopping, stop_on_sigterm; "
-                               f"stop_on_sigterm(); run_stopping(sys.argv[1:], None, 10.0)", *_sleeper(pid_file)],
+        [sys.executable, "-c", "import signal, sys; from bench.common import run_stopping, stop_on_sigterm; "
+                               # Ctrl-C as at a terminal: a shell's background job (CI's pytest may be one)
+                               # starts its children with SIGINT ignored.
+                               "signal.signal(signal.SIGINT, signal.default_int_handler); "
+                               "stop_on_sigterm(); run_stopping(sys.argv[1:], None, 10.0)", *_sleeper(pid_file)],
         cwd=ROOT, stderr=subprocess.PIPE, text=True)
     child = _pid(pid_file)
     bench.send_signal(how)
