@@ -400,7 +400,8 @@ STEP_ON_HOSTS = ("powersgd_step_4hosts_100mbit", "powersgd_step_4hosts_100mbit_r
                  "powersgd_step_4hosts_100mbit_vgg_fc_epyc", "powersgd_step_4hosts_100mbit_resnet18_epyc",
                  "powersgd_step_world4_epyc", "powersgd_step_world4_resnet18_epyc",
                  "powersgd_step_world4_epyc_finite_from_payload",
-                 "powersgd_step_4hosts_100mbit_resnet18_epyc_finite_from_payload", "powersgd_step_2hosts_100mbit_epyc")
+                 "powersgd_step_4hosts_100mbit_resnet18_epyc_finite_from_payload", "powersgd_step_2hosts_100mbit_epyc",
+                 "powersgd_step_world4_resnet18_epyc_r4_r8")
 
 
 def _links(data: dict) -> str:
