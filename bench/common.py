@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -23,6 +24,14 @@ RESULTS = Path(__file__).parent / "results"
 HOST_RANK = Path(__file__).resolve().parent / "host_rank.py"   # the script each rank of run_on_hosts runs
 
 
+# How often a launcher's wait looks at its stop event (run_stopping): a stopped bench's runs end this soon.
+STOP_POLL_S = 0.5
+
+
+class RunStopped(Exception):
+    """A launcher stopped because its bench was (:func:`run_stopping`'s ``stop``)."""
+
+
 def stop_on_sigterm() -> None:
     """Make SIGTERM unwind the bench as Ctrl-C does: every ``finally`` and ``with`` on the way out runs,
     so a launcher it started is stopped (:func:`run_stopping`) and its folders are removed."""
@@ -33,24 +42,35 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def run_stopping(argv: list[str], time_limit_s: float | None, stop_wait_s: float) -> tuple[int, str, bool]:
+def run_stopping(argv: list[str], time_limit_s: float | None, stop_wait_s: float,
+                 stop: threading.Event | None = None) -> tuple[int, str, bool]:
     """Run ``argv`` (a launcher, which stops its ranks on SIGTERM) to its end or for ``time_limit_s``.
 
-    Past the limit, or when the bench itself is interrupted, the launcher gets SIGTERM and ``stop_wait_s``
-    to stop before it is killed: a bench that is stopped leaves no training job behind. Returns the
-    exit status, stderr, and whether the limit stopped it; an interruption is raised again once the
-    launcher is gone.
+    Past the limit, when the bench itself is interrupted, or once ``stop`` is set (how a bench that
+    runs launchers from worker threads, where no interruption arrives, stops them), the launcher gets
+    SIGTERM and ``stop_wait_s`` to stop before it is killed: a bench that is stopped leaves no training
+    job behind. Returns the exit status, stderr, and whether the limit stopped it; an interruption is
+    raised again once the launcher is gone, and a ``stop`` raises :class:`RunStopped`.
 
     Example::
 
         >>> status, stderr, limited = run_stopping(launcher(command, 4, "100mbit"), 300, STOP_WAIT_S)
     """
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
     try:
-        stderr = proc.communicate(timeout=time_limit_s)[1]
-        return proc.returncode, stderr, False
-    except subprocess.TimeoutExpired:
-        pass
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if stop is not None:
+                wait = STOP_POLL_S if wait is None else min(wait, STOP_POLL_S)
+            try:
+                stderr = proc.communicate(timeout=wait)[1]
+                return proc.returncode, stderr, False
+            except subprocess.TimeoutExpired:
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                if stop is not None and stop.is_set():
+                    raise RunStopped(shlex.join(argv[:6]) + " ...") from None
     except BaseException:
         _stop(proc, argv, stop_wait_s)
         raise

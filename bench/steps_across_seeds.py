@@ -20,17 +20,17 @@ import argparse
 import json
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import launcher, save  # noqa: E402
+from bench.common import launcher, run_stopping, save, stop_on_sigterm  # noqa: E402
 from bench.figures import Block, number, rows_of, table  # noqa: E402
-from bench.time_to_accuracy import STRATEGIES, TUNED_PEERS, strategy_command, tuned_peer_rank  # noqa: E402
+from bench.time_to_accuracy import STOP_WAIT_S, STRATEGIES, TUNED_PEERS, strategy_command, tuned_peer_rank  # noqa: E402
 
 CONVOY_DEFAULT = "convoy-powersgd-r4"   # convoy train --compress powersgd at its default rank
 
@@ -41,15 +41,16 @@ def default_strategies(model: str) -> list[str]:
     return [f"ddp-powersgd-r{tuned_peer_rank(model, '100mbit')[0]}", CONVOY_DEFAULT]
 
 
-def run(name: str, seed: int, args: argparse.Namespace) -> dict:
+def run(name: str, seed: int, args: argparse.Namespace, stop: threading.Event) -> dict:
     """The steps at which one strategy's run at ``seed`` first reached each of ``args.targets``
-    (``name``: one of time_to_accuracy's strategies or of ``args.extra``)."""
+    (``name``: one of time_to_accuracy's strategies or of ``args.extra``); ``stop``: the bench was
+    stopped, end the run."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "run")
         command = strategy_command(name, args, out, args.extra.get(name)) + ["--seed", str(seed)]
-        result = subprocess.run(launcher(command, args.hosts, "loopback"), capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{name} at seed {seed} failed:\n{result.stderr[-3000:]}")
+        status, stderr, _ = run_stopping(launcher(command, args.hosts, "loopback"), None, STOP_WAIT_S, stop)
+        if status != 0:
+            raise RuntimeError(f"{name} at seed {seed} failed:\n{stderr[-3000:]}")
         evals = [r for r in map(json.loads, (out / "metrics-rank0.jsonl").read_text().splitlines())
                  if r["kind"] == "eval"]
     row = {"strategy": name, "seed": seed, "final_accuracy": evals[-1]["test_accuracy"],
@@ -105,8 +106,15 @@ def main() -> None:
     args.extra = {name: ["train", *shlex.split(flags)]
                   for name, _, flags in (extra.partition("=") for extra in args.extra)}
     jobs = [(name, seed) for seed in args.seeds for name in [*args.strategies, *args.extra]]
+    stop_on_sigterm()
+    stopped = threading.Event()
     with ThreadPoolExecutor(args.parallel) as pool:
-        rows = list(pool.map(lambda job: run(*job, args), jobs))
+        try:
+            rows = list(pool.map(lambda job: run(*job, args, stopped), jobs))
+        except BaseException:   # the runs in the workers' threads end too, and no queued one starts
+            stopped.set()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     for row in rows:
         print({k: v for k, v in row.items() if k != "curve"}, flush=True)
     name = f"steps_across_seeds_{args.model}" + (f"_{args.tag}" if args.tag else "")

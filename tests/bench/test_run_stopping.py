@@ -3,12 +3,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from bench.common import run_stopping
+from bench.common import RunStopped, run_stopping
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,4 +67,25 @@ def test_a_stopped_bench_leaves_no_launcher(tmp_path, how):
     bench.send_signal(how)
     _, stderr = bench.communicate(timeout=30)
     assert bench.returncode != 0 and "KeyboardInterrupt" in stderr
+    assert not _alive(child)
+
+
+@pytest.mark.timeout(60)
+def test_a_run_in_a_worker_thread_ends_when_its_bench_is_stopped(tmp_path):
+    # A bench that runs launchers from worker threads (steps_across_seeds) gets its interruption in the
+    # main thread only; the event is how the workers hear of it.
+    stop, outcome = threading.Event(), []
+
+    def worker():
+        try:
+            run_stopping(_sleeper(tmp_path / "pid"), time_limit_s=None, stop_wait_s=10.0, stop=stop)
+        except RunStopped as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    child = _pid(tmp_path / "pid")
+    stop.set()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and len(outcome) == 1
     assert not _alive(child)
