@@ -154,6 +154,7 @@ VGG_FC_EPYC_RUNS = ("steps_across_seeds_vgg_fc_epyc",)
 # Seeds 0-2, then 3-4 of the same strategies, then convoy's rank 16 without momentum correction.
 RESNET18_RUNS = ("steps_across_seeds_resnet18_exp_r16", "steps_across_seeds_resnet18_exp_r16_seeds34",
                  "steps_across_seeds_resnet18_r16_no_mc")
+RESNET18_EPYC_RUNS = ("steps_across_seeds_resnet18_epyc_r16",)
 BLOCKS = (
     Block("steps_across_seeds_vgg_fc", "Steps to 95% and 97% across seeds: vgg_fc, 4 ranks", VGG_FC_RUNS,
           "DDP + torch's PowerSGD hook (the rows marked peer) at the rank that reached 97% soonest in the "
@@ -172,6 +173,12 @@ BLOCKS = (
           partial(render_steps_across_seeds, *RESNET18_RUNS),
           rerun="python bench/steps_across_seeds.py --model resnet18 --eval-every 25 --seeds 0 1 2 3 4 --parallel 2 "
                 "--strategies ddp-powersgd-r16 ddp-powersgd-r8 convoy-powersgd-r16"),
+    Block("steps_across_seeds_resnet18_epyc", "Steps to 95% and 97% across seeds: resnet18, 4 ranks, AMD EPYC",
+          RESNET18_EPYC_RUNS, "DDP + torch's PowerSGD hook (the rows marked peer) at ranks 8 and 16, the soonest of "
+          "the time-to-accuracy sweep on the same CPU, at the same seeds, evaluated every 25 steps",
+          partial(render_steps_across_seeds, *RESNET18_EPYC_RUNS),
+          rerun="python bench/steps_across_seeds.py --model resnet18 --eval-every 25 --seeds 0 1 2 3 4 --parallel 2 "
+                "--strategies ddp-powersgd-r8 ddp-powersgd-r16 convoy-powersgd-r16 --tag epyc_r16"),
 )
 
 
