@@ -155,30 +155,35 @@ VGG_FC_EPYC_RUNS = ("steps_across_seeds_vgg_fc_epyc",)
 RESNET18_RUNS = ("steps_across_seeds_resnet18_exp_r16", "steps_across_seeds_resnet18_exp_r16_seeds34",
                  "steps_across_seeds_resnet18_r16_no_mc")
 RESNET18_EPYC_RUNS = ("steps_across_seeds_resnet18_epyc_r16",)
+def _seeds_block(name: str, title: str, runs: tuple[str, ...], compared: str, rerun: str) -> Block:
+    """A documentation block of the seeds tables in ``runs`` (result files, rendered together)."""
+    return Block(name, title, runs, compared, partial(render_steps_across_seeds, *runs), rerun=rerun)
+
+
 BLOCKS = (
-    Block("steps_across_seeds_vgg_fc", "Steps to 95% and 97% across seeds: vgg_fc, 4 ranks", VGG_FC_RUNS,
-          "DDP + torch's PowerSGD hook (the rows marked peer) at the rank that reached 97% soonest in the "
-          "time-to-accuracy sweep, and at rank 16, at the same seeds; '-': not reached in 400 steps",
-          partial(render_steps_across_seeds, *VGG_FC_RUNS),
-          rerun="python bench/steps_across_seeds.py --model vgg_fc --seeds 0 1 2 3 4 --parallel 2"),
-    Block("steps_across_seeds_vgg_fc_epyc", "Steps to 95% and 97% across seeds: vgg_fc, 4 ranks, AMD EPYC",
-          VGG_FC_EPYC_RUNS, "DDP + torch's PowerSGD hook (the rows marked peer) at ranks 4 and 8, the soonest to 95% "
-          "and to 97% in the time-to-accuracy sweep on the same CPU, at the same seeds; '-': not reached in 400 steps",
-          partial(render_steps_across_seeds, *VGG_FC_EPYC_RUNS),
-          rerun="python bench/steps_across_seeds.py --model vgg_fc --seeds 0 1 2 3 4 --parallel 2 --strategies "
-                "ddp-powersgd-r4 ddp-powersgd-r8 convoy-powersgd-r4 convoy-powersgd-r8 --tag epyc"),
-    Block("steps_across_seeds_resnet18", "Steps to 95% and 97% across seeds: resnet18, 4 ranks", RESNET18_RUNS,
-          "DDP + torch's PowerSGD hook (the rows marked peer) at ranks 8 (the soonest of the time-to-accuracy "
-          "sweep, up to 16 since it was extended) and 16, at the same seeds, evaluated every 25 steps",
-          partial(render_steps_across_seeds, *RESNET18_RUNS),
-          rerun="python bench/steps_across_seeds.py --model resnet18 --eval-every 25 --seeds 0 1 2 3 4 --parallel 2 "
-                "--strategies ddp-powersgd-r16 ddp-powersgd-r8 convoy-powersgd-r16"),
-    Block("steps_across_seeds_resnet18_epyc", "Steps to 95% and 97% across seeds: resnet18, 4 ranks, AMD EPYC",
-          RESNET18_EPYC_RUNS, "DDP + torch's PowerSGD hook (the rows marked peer) at ranks 8 and 16, the soonest of "
-          "the time-to-accuracy sweep on the same CPU, at the same seeds, evaluated every 25 steps",
-          partial(render_steps_across_seeds, *RESNET18_EPYC_RUNS),
-          rerun="python bench/steps_across_seeds.py --model resnet18 --eval-every 25 --seeds 0 1 2 3 4 --parallel 2 "
-                "--strategies ddp-powersgd-r8 ddp-powersgd-r16 convoy-powersgd-r16 --tag epyc_r16"),
+    _seeds_block(
+        "steps_across_seeds_vgg_fc", "Steps to 95% and 97% across seeds: vgg_fc, 4 ranks", VGG_FC_RUNS,
+        "DDP + torch's PowerSGD hook (the rows marked peer) at the rank that reached 97% soonest in the "
+        "time-to-accuracy sweep, and at rank 16, at the same seeds; '-': not reached in 400 steps",
+        rerun="python bench/steps_across_seeds.py --model vgg_fc --seeds 0 1 2 3 4 --parallel 2"),
+    _seeds_block(
+        "steps_across_seeds_vgg_fc_epyc", "Steps to 95% and 97% across seeds: vgg_fc, 4 ranks, AMD EPYC",
+        VGG_FC_EPYC_RUNS, "DDP + torch's PowerSGD hook (the rows marked peer) at ranks 4 and 8, the soonest to 95% "
+        "and to 97% in the time-to-accuracy sweep on the same CPU, at the same seeds; '-': not reached in 400 steps",
+        rerun="python bench/steps_across_seeds.py --model vgg_fc --seeds 0 1 2 3 4 --parallel 2 --strategies "
+              "ddp-powersgd-r4 ddp-powersgd-r8 convoy-powersgd-r4 convoy-powersgd-r8 --tag epyc"),
+    _seeds_block(
+        "steps_across_seeds_resnet18", "Steps to 95% and 97% across seeds: resnet18, 4 ranks", RESNET18_RUNS,
+        "DDP + torch's PowerSGD hook (the rows marked peer) at ranks 8 (the soonest of the time-to-accuracy "
+        "sweep, up to 16 since it was extended) and 16, at the same seeds, evaluated every 25 steps",
+        rerun="python bench/steps_across_seeds.py --model resnet18 --eval-every 25 --seeds 0 1 2 3 4 --parallel 2 "
+              "--strategies ddp-powersgd-r16 ddp-powersgd-r8 convoy-powersgd-r16"),
+    _seeds_block(
+        "steps_across_seeds_resnet18_epyc", "Steps to 95% and 97% across seeds: resnet18, 4 ranks, AMD EPYC",
+        RESNET18_EPYC_RUNS, "DDP + torch's PowerSGD hook (the rows marked peer) at ranks 8 and 16, the soonest of "
+        "the time-to-accuracy sweep on the same CPU, at the same seeds, evaluated every 25 steps",
+        rerun="python bench/steps_across_seeds.py --model resnet18 --eval-every 25 --seeds 0 1 2 3 4 --parallel 2 "
+              "--strategies ddp-powersgd-r8 ddp-powersgd-r16 convoy-powersgd-r16 --tag epyc_r16"),
 )
 
 
