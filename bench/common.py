@@ -56,8 +56,9 @@ def run_stopping(argv: list[str], time_limit_s: float | None, stop_wait_s: float
 
         >>> status, stderr, limited = run_stopping(launcher(command, 4, "100mbit"), 300, STOP_WAIT_S)
     """
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+    # Nothing between the launcher's start and the try: an interruption there would leave it running.
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         while True:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
